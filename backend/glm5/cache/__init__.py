@@ -1,0 +1,1 @@
+"""Paged hybrid cache: MLA latent blocks, pooled index keys, kpool tails, KDA state slots."""

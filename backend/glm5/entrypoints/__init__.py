@@ -1,0 +1,1 @@
+"""Offline entry points (CLI commands, Python API)."""

@@ -1,0 +1,1 @@
+"""Model blocks (one per file) operating on packed batches over paged caches."""

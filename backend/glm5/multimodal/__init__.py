@@ -1,0 +1,1 @@
+"""Image and video preprocessing with hard caps, and prompt placeholder expansion."""

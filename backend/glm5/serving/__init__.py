@@ -1,0 +1,1 @@
+"""Triton serving glue: launcher, backend directory setup."""

@@ -1,0 +1,1 @@
+"""gRPC/HTTP client for the glm5 Triton model."""

@@ -1,0 +1,1 @@
+"""Triton GPU kernels for GLM-5.3-Flash, each beside its torch reference."""
