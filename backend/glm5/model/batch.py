@@ -1,0 +1,48 @@
+"""Per-step metadata of a packed forward pass.
+
+One step processes many requests at once: each contributes a contiguous run of tokens to the packed
+``input_ids`` (a prefill chunk, a single decode token, or k+1 speculative-verification tokens).
+Blocks read these records instead of padded ``[batch, seq]`` tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SeqChunk:
+    """One request's share of the packed batch."""
+
+    start: int              # first row of this request in the packed tensors
+    num_tokens: int         # rows this step
+    context_len: int        # tokens already cached before this step = position of the first row
+    block_table: torch.Tensor  # int64 [num_blocks_of_request] on the model device
+    state_slot: int         # KDA state / kpool tail slot
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def total_len(self) -> int:
+        """Tokens in the cache after this step."""
+        return self.context_len + self.num_tokens
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor          # int64 [T]
+    positions: torch.Tensor          # int64 [T]
+    seqs: list[SeqChunk]
+    logits_indices: torch.Tensor     # int64 [L] rows whose logits are wanted
+    # multimodal: rows of ``input_ids`` replaced by vision embeddings
+    mm_embeds: torch.Tensor | None = None      # [M, H]
+    mm_rows: torch.Tensor | None = None        # int64 [M]
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

@@ -1,0 +1,80 @@
+"""The GLM-5.3-Flash text model over a packed batch: embeddings → mHC decoder layers → stream mean →
+final norm → logits. Layer blocks are chosen from the config (KDA or MLA attention, dense or MoE FFN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from glm5.cache.hybrid_cache import HybridCache
+from glm5.config import ModelConfig
+from glm5.model.batch import ForwardBatch
+from glm5.model.kda import KDALayer
+from glm5.model.mhc import HyperConnection
+from glm5.model.mla import MLALayer
+from glm5.model.mlp import DenseMLP
+from glm5.model.moe import MoE
+from glm5.model.norms import rms_norm
+from glm5.model.vision import VisionTower
+
+
+class DecoderLayer:
+    def __init__(self, weights: dict[str, torch.Tensor], layer: int, cfg: ModelConfig):
+        t = cfg.text
+        p = f"layers.{layer}"
+        self.attn = KDALayer(weights, layer, t) if t.layer_kinds[layer] == "kda" else MLALayer(weights, layer, t)
+        self.mlp = DenseMLP(weights, f"{p}.mlp", t.swiglu_limit) if t.mlp_kinds[layer] == "dense" \
+            else MoE(weights, f"{p}.mlp", t)
+        self.attn_hc = HyperConnection(weights, f"{p}.hc_attn", t)
+        self.ffn_hc = HyperConnection(weights, f"{p}.hc_ffn", t)
+        self.in_norm = weights[f"{p}.input_layernorm.weight"]
+        self.post_norm = weights[f"{p}.post_attention_layernorm.weight"]
+        self.eps = t.rms_norm_eps
+
+    def __call__(self, streams: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
+        x, mix = self.attn_hc.pre(streams)
+        streams = HyperConnection.post(self.attn(rms_norm(x, self.in_norm, self.eps), batch, cache), streams, mix)
+        x, mix = self.ffn_hc.pre(streams)
+        return HyperConnection.post(self.mlp(rms_norm(x, self.post_norm, self.eps)), streams, mix)
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor   # fp32 [L, vocab] for batch.logits_indices
+    hidden: torch.Tensor   # final normed hidden [T, H] (the MTP layer's input)
+
+
+class Glm5ForCausalLM:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]):
+        self.cfg = cfg
+        t = cfg.text
+        self.embed = weights["embed_tokens.weight"]
+        self.layers = [DecoderLayer(weights, i, cfg) for i in range(t.num_hidden_layers)]
+        self.norm = weights["norm.weight"]
+        self.lm_head = weights["embed_tokens.weight"] if t.tie_word_embeddings else weights["lm_head.weight"]
+        self.vision = VisionTower(weights, cfg.vision) if cfg.vision is not None and "visual.patch_embed.proj.weight" in weights else None
+        self.weights = weights
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @torch.no_grad()
+    def embed_tokens(self, batch: ForwardBatch) -> torch.Tensor:
+        h = F.embedding(batch.input_ids, self.embed)
+        if batch.mm_embeds is not None and batch.mm_rows is not None and batch.mm_rows.numel():
+            h[batch.mm_rows] = batch.mm_embeds.to(h.dtype)
+        return h
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, cache: HybridCache) -> ModelOutput:
+        h = self.embed_tokens(batch)
+        streams = h.unsqueeze(1).expand(-1, self.cfg.text.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, batch, cache)
+        hidden = rms_norm(streams.mean(dim=1), self.norm, self.cfg.text.rms_norm_eps)
+        logits = F.linear(hidden[batch.logits_indices], self.lm_head).float()
+        return ModelOutput(logits=logits, hidden=hidden)

@@ -1,0 +1,90 @@
+"""The kpool-compressed DSA "lightning" indexer: which cached tokens each MLA query attends to.
+
+Every ``kpool`` consecutive tokens (anchored at position 0) form a pool; once complete, its tokens'
+index keys are merged into one pooled key by a per-channel softmax over ``gate score + ape``.
+A query at position ``i`` scores the complete pools whose last token is ≤ i, keeps the top
+``index_topk / kpool`` of them, expands them back to tokens and always adds the raw tokens of its
+own incomplete pool (the "tail"). While ``floor((i+1)/kpool) ≤ index_topk/kpool`` this is every
+token ``≤ i`` (dense causal), so scoring is skipped.
+
+Cache use (see :mod:`glm5.cache.hybrid_cache`): complete pools are written once to ``pool_keys``;
+the raw (key, gate score) rows of the pool in progress wait in the request's ``tail`` slot, so
+chunk boundaries and single-token decode steps complete pools exactly like a full prefill.
+This is the exact mode (keys in the model dtype, fp32 scores); it selects what transformers does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from glm5.cache.hybrid_cache import HybridCache
+from glm5.config import TextConfig
+from glm5.model.batch import SeqChunk
+from glm5.model.norms import layer_norm
+
+
+class KPoolIndexer:
+    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, cfg: TextConfig):
+        self.cfg = cfg
+        self.wq_b = weights[f"{prefix}.wq_b.weight"]
+        self.wk = weights[f"{prefix}.wk.weight"]
+        self.k_norm_w = weights[f"{prefix}.k_norm.weight"]
+        self.k_norm_b = weights[f"{prefix}.k_norm.bias"]
+        self.w_heads = weights[f"{prefix}.weights_proj.weight"]
+        self.gate = weights[f"{prefix}.index_kpool_compress_gate"]
+        self.ape = weights[f"{prefix}.index_kpool_compress_ape"].float()
+        self.kpool = cfg.index_kpool
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.n_select = cfg.index_topk // cfg.index_kpool
+
+    def keys(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token raw index state ``[T, 2*d] = key | gate score``."""
+        k = layer_norm(F.linear(x, self.wk), self.k_norm_w, self.k_norm_b, 1e-6)
+        return torch.cat([k, F.linear(x, self.gate)], dim=-1)
+
+    def pool(self, members: torch.Tensor) -> torch.Tensor:
+        """members [P, kpool, 2d] (key | gate) -> pooled keys [P, d]."""
+        k, g = members.split(self.head_dim, dim=-1)
+        probs = torch.softmax(g.float() + self.ape, dim=1).to(k.dtype)
+        return (probs * k).sum(dim=1)
+
+    def write(self, raw: torch.Tensor, seq: SeqChunk, cache: HybridCache, layer: int) -> None:
+        """Complete the pools this chunk finishes and keep the unfinished remainder in the tail."""
+        kp = self.kpool
+        tail = cache.tail[layer][seq.state_slot]
+        first_pool, end_pool = seq.context_len // kp, seq.total_len // kp
+        span = torch.cat([tail[: seq.context_len % kp], raw], dim=0)  # starts at position first_pool*kp
+        n_complete = end_pool - first_pool
+        if n_complete > 0:
+            pooled = self.pool(span[: n_complete * kp].view(n_complete, kp, -1))
+            pools = torch.arange(first_pool, end_pool, device=raw.device)
+            cache.pool_keys[layer][cache.pool_slots(seq.block_table, pools)] = pooled.to(cache.dtype)
+        rest = span[n_complete * kp:]
+        tail[: rest.shape[0]] = rest.to(tail.dtype)
+
+    def visible(self, x: torch.Tensor, q_resid: torch.Tensor, seq: SeqChunk, cache: HybridCache,
+                layer: int) -> torch.Tensor:
+        """Boolean ``[n, total_len]``: which cached tokens each of this request's queries attends to."""
+        kp, device = self.kpool, x.device
+        pos = torch.arange(seq.context_len, seq.total_len, device=device)
+        n_complete = torch.div(pos + 1, kp, rounding_mode="floor")  # complete pools visible per query
+        key_pos = torch.arange(seq.total_len, device=device)
+        causal = key_pos[None, :] <= pos[:, None]
+        if int(n_complete.max()) <= self.n_select:
+            return causal  # every visible pool is selected: dense causal attention
+        n_pools = int(n_complete.max())
+        pooled = cache.pool_keys[layer][cache.pool_slots(seq.block_table, torch.arange(n_pools, device=device))]
+        q = F.linear(q_resid, self.wq_b).view(-1, self.n_heads, self.head_dim)
+        scores = F.relu(torch.matmul(q.float(), pooled.float().t()) * self.head_dim ** -0.5)  # [n, h, P]
+        w = F.linear(x.to(self.w_heads.dtype), self.w_heads).float() * self.n_heads ** -0.5
+        index_scores = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)  # [n, P]
+        candidate = torch.arange(n_pools, device=device)[None, :] < n_complete[:, None]
+        index_scores = index_scores.masked_fill(~candidate, torch.finfo(index_scores.dtype).min)
+        top = index_scores.topk(min(self.n_select, n_pools), dim=-1).indices
+        chosen = torch.zeros_like(candidate).scatter_(1, top, True) & candidate  # [n, P]
+        token_chosen = torch.zeros(pos.shape[0], seq.total_len, dtype=torch.bool, device=device)
+        pooled_tokens = chosen.repeat_interleave(kp, dim=1)
+        token_chosen[:, : pooled_tokens.shape[1]] = pooled_tokens
+        tail = (key_pos[None, :] >= (n_complete * kp)[:, None]) & causal
+        return token_chosen | tail

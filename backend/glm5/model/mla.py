@@ -1,0 +1,81 @@
+"""NoPE multi-head latent attention restricted by the kpool indexer.
+
+Only the ``kv_lora_rank``-wide normalised latent ``c_kv`` is cached per token. Prefill chunks
+expand it to per-head K/V with ``kv_b_proj`` (``[K_h; V_h] = W_kvb[h] c``); short query runs
+(decode, speculative verification) use the absorbed form: ``q̃_h = W_UKᵀ q_h`` scores the latent
+directly and ``W_UV`` maps the attention-weighted latent back, which touches ``kv_lora_rank``
+numbers per token instead of ``heads·(d_k+d_v)``. No rope anywhere (qk_rope_head_dim = 0).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from glm5.cache.hybrid_cache import HybridCache
+from glm5.config import TextConfig
+from glm5.model.batch import ForwardBatch
+from glm5.model.indexer import KPoolIndexer
+from glm5.model.norms import rms_norm
+
+ABSORB_MAX_TOKENS = 8
+
+
+class MLALayer:
+    def __init__(self, weights: dict[str, torch.Tensor], layer: int, cfg: TextConfig):
+        p = f"layers.{layer}.self_attn"
+        self.layer, self.cfg = layer, cfg
+        self.heads = cfg.num_attention_heads
+        self.d_qk, self.d_v, self.rank = cfg.qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.q_a = weights[f"{p}.q_a_proj.weight"]
+        self.q_a_norm = weights[f"{p}.q_a_layernorm.weight"]
+        self.q_b = weights[f"{p}.q_b_proj.weight"]
+        self.kv_a = weights[f"{p}.kv_a_proj_with_mqa.weight"]
+        self.kv_a_norm = weights[f"{p}.kv_a_layernorm.weight"]
+        self.kv_b = weights[f"{p}.kv_b_proj.weight"]
+        self.o_proj = weights[f"{p}.o_proj.weight"]
+        kv_b = self.kv_b.view(self.heads, self.d_qk + self.d_v, self.rank)
+        self.w_uk = kv_b[:, : self.d_qk]   # [h, d_qk, r]
+        self.w_uv = kv_b[:, self.d_qk:]    # [h, d_v, r]
+        self.scale = self.d_qk ** -0.5
+        self.indexer = KPoolIndexer(weights, f"{p}.indexer", cfg)
+
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
+        eps = self.cfg.rms_norm_eps
+        q_resid = rms_norm(F.linear(x, self.q_a), self.q_a_norm, eps)
+        q = F.linear(q_resid, self.q_b).view(-1, self.heads, self.d_qk)
+        latent = rms_norm(F.linear(x, self.kv_a), self.kv_a_norm, eps)
+        raw_index = self.indexer.keys(x)
+        lat_cache = cache.latent[self.layer]
+        out = torch.empty(x.shape[0], self.heads, self.d_v, dtype=x.dtype, device=x.device)
+        for s in batch.seqs:
+            rows = slice(s.start, s.end)
+            lat_cache[cache.token_slots(s.block_table, batch.positions[rows])] = latent[rows].to(lat_cache.dtype)
+            self.indexer.write(raw_index[rows], s, cache, self.layer)
+            visible = self.indexer.visible(x[rows], q_resid[rows], s, cache, self.layer)  # [n, L]
+            keys_used = visible.any(0).nonzero().squeeze(1)
+            ctx = lat_cache[cache.token_slots(s.block_table, keys_used)].to(x.dtype)  # [L', r]
+            mask = visible[:, keys_used]
+            if s.num_tokens <= ABSORB_MAX_TOKENS:
+                out[rows] = self._absorbed(q[rows], ctx, mask)
+            else:
+                out[rows] = self._expanded(q[rows], ctx, mask)
+        return F.linear(out.reshape(x.shape[0], -1), self.o_proj)
+
+    def _softmax(self, scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        scores = scores.masked_fill(~mask.unsqueeze(0), torch.finfo(scores.dtype).min)
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+
+    def _expanded(self, q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        kv = F.linear(ctx, self.kv_b).view(-1, self.heads, self.d_qk + self.d_v)
+        k, v = kv.split([self.d_qk, self.d_v], dim=-1)
+        scores = torch.einsum("nhd,lhd->hnl", q, k) * self.scale
+        probs = self._softmax(scores, mask, q.dtype)
+        return torch.einsum("hnl,lhd->nhd", probs, v)
+
+    def _absorbed(self, q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q_lat = torch.einsum("nhd,hdr->hnr", q, self.w_uk)
+        scores = torch.matmul(q_lat, ctx.t()) * self.scale  # [h, n, L]
+        probs = self._softmax(scores, mask, q.dtype)
+        o_lat = torch.matmul(probs, ctx)  # [h, n, r]
+        return torch.einsum("hnr,hdr->nhd", o_lat, self.w_uv)

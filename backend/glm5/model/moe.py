@@ -1,0 +1,78 @@
+"""Mixture of experts: fp32 sigmoid router with a selection-only bias, grouped top-k, routed + shared.
+
+Routing (model-spec §6): scores = sigmoid(x·Wᵀ) in fp32; the correction bias is added only to pick
+experts; group scores are the sum of the top-2 biased scores per group and only ``topk_group``
+groups stay eligible; the kept weights are the *unbiased* scores, renormalised, times
+``routed_scaling_factor``. The shared expert is added unscaled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from glm5.config import TextConfig
+from glm5.model.mlp import clamped_swiglu, swiglu_mlp
+
+
+@dataclass
+class RoutingResult:
+    weights: torch.Tensor  # [T, top_k] fp32
+    experts: torch.Tensor  # [T, top_k] int64
+
+
+def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, cfg: TextConfig) -> RoutingResult:
+    logits = F.linear(x.float(), gate_w.float())
+    scores = logits.sigmoid()
+    choice = scores + bias.float()
+    n_tok, n_exp = choice.shape
+    if cfg.n_group > 1:
+        grouped = choice.view(n_tok, cfg.n_group, n_exp // cfg.n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~group_mask.repeat_interleave(n_exp // cfg.n_group, dim=1), float("-inf"))
+    experts = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+    weights = scores.gather(1, experts)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return RoutingResult(weights=weights * cfg.routed_scaling_factor, experts=experts)
+
+
+class MoE:
+    """Routed experts (stacked ``[E, I, H]`` weights) plus the shared expert."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, cfg: TextConfig):
+        self.cfg = cfg
+        self.gate_w = weights[f"{prefix}.gate.weight"]
+        self.bias = weights[f"{prefix}.gate.e_score_correction_bias"]
+        self.w_gate = weights[f"{prefix}.experts.gate_proj"]
+        self.w_up = weights[f"{prefix}.experts.up_proj"]
+        self.w_down = weights[f"{prefix}.experts.down_proj"]
+        self.shared = (
+            weights[f"{prefix}.shared_experts.gate_proj.weight"],
+            weights[f"{prefix}.shared_experts.up_proj.weight"],
+            weights[f"{prefix}.shared_experts.down_proj.weight"],
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        routing = route(x, self.gate_w, self.bias, self.cfg)
+        out = torch.zeros_like(x)
+        flat_experts = routing.experts.flatten()
+        token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(routing.experts.shape[1])
+        flat_weights = routing.weights.flatten()
+        order = torch.argsort(flat_experts, stable=True)
+        counts = torch.bincount(flat_experts, minlength=self.w_gate.shape[0]).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            idx = order[start:start + n]
+            start += n
+            toks = token_of[idx]
+            h = clamped_swiglu(F.linear(x[toks], self.w_gate[e]), F.linear(x[toks], self.w_up[e]), self.cfg.swiglu_limit)
+            y = F.linear(h, self.w_down[e]) * flat_weights[idx, None]
+            out.index_add_(0, toks, y.to(out.dtype))
+        return out + swiglu_mlp(x, *self.shared, self.cfg.swiglu_limit)
