@@ -1,0 +1,387 @@
+"""Load a GLM-5.3-Flash safetensors checkpoint into canonical in-engine tensors.
+
+Two passes. The *plan* pass reads only shard headers: it resolves every checkpoint key (either the
+original layout that ``save_pretrained`` writes or HF's packed in-memory layout, with or without
+``model.`` / ``model.language_model.`` prefixes) to the canonical tensor it feeds, pairs fp8 weights
+with their ``weight_scale_inv`` and checks names and shapes against the config. Every problem is
+collected, so a bad checkpoint fails once with a :class:`CheckpointError` that lists all of them
+(instead of the user fixing one and discovering the next). The *load* pass then reads one tensor
+at a time through ``safe_open`` (memory-mapped), dequantizes, casts and stacks experts straight
+into the preallocated result, so peak host memory stays near the size of the result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from glm5.config import ModelConfig
+from glm5.weights.files import FP8_CODES, TensorInfo, find_weight_files, read_header
+from glm5.weights.names import (
+    KeyTarget,
+    Shape,
+    abbreviate_names,
+    checkpoint_key_targets,
+    expected_weight_shapes,
+    is_fp32_weight,
+    is_mtp_name,
+    source_shape,
+    strip_prefix,
+)
+
+logger = logging.getLogger(__name__)
+
+SCALE_SUFFIX = "_scale_inv"  # fp8 block scales: "<key>_scale_inv", i.e. "x.weight" -> "x.weight_scale_inv"
+DEFAULT_FP8_BLOCK = (128, 128)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; ``problems`` holds one line per problem found."""
+
+    def __init__(self, path: Path | str, problems: list[str]):
+        self.path = str(path)
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(
+            f"checkpoint {self.path} cannot be loaded ({len(self.problems)} problem"
+            f"{'s' if len(self.problems) != 1 else ''}):\n{lines}\n"
+            "Fix: re-download or re-export the listed files/tensors, or point at a checkpoint whose "
+            "config.json matches its weights.")
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8
+# ---------------------------------------------------------------------------------------------
+def fp8_scale_shape(weight_shape: Shape, block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> Shape:
+    """Shape of ``weight_scale_inv`` for a block-quantized weight: one scale per (partial) block."""
+    *lead, rows, cols = weight_shape
+    return (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+
+
+def dequantize_fp8_blockwise(w8: torch.Tensor, scale_inv: torch.Tensor,
+                             block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> torch.Tensor:
+    """``W = W8.float() * s`` with one scale per ``block`` tile of the last two dims (edge tiles may
+    be partial). Returns fp32 on ``w8``'s device."""
+    rows, cols = w8.shape[-2], w8.shape[-1]
+    s = scale_inv.to(device=w8.device, dtype=torch.float32)
+    s = s.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
+    return w8.to(torch.float32) * s
+
+
+def _fp8_block(cfg: ModelConfig) -> tuple[int, int]:
+    q: Any = cfg.raw.get("quantization_config") or {}
+    b = q.get("weight_block_size") if isinstance(q, dict) else None
+    return (int(b[0]), int(b[1])) if b else DEFAULT_FP8_BLOCK
+
+
+# ---------------------------------------------------------------------------------------------
+# plan
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class _Part:
+    target: KeyTarget
+    info: TensorInfo
+    scale: TensorInfo | None = None
+
+
+@dataclass
+class _Recipe:
+    name: str
+    shape: Shape
+    parts: list[_Part] = field(default_factory=list)
+
+
+# Copies of lm_head / embed_tokens that some MTP exports carry; the engine shares the main ones.
+_REDUNDANT_MTP_RE = re.compile(r"^layers\.(\d+)\.(shared_head\.head\.weight|embed_tokens\.weight)$")
+
+
+def _plan(path: Path, cfg: ModelConfig, allow_missing_mtp: bool) -> tuple[list[_Recipe], list[Path]]:
+    problems: list[str] = []
+    try:
+        files, weight_map, index = find_weight_files(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise CheckpointError(path, [str(e)]) from e
+
+    # ---- headers ------------------------------------------------------------------------------
+    infos: dict[str, TensorInfo] = {}
+    bad_files: set[str] = set()
+    readable: list[Path] = []
+    for f in files:
+        if not f.is_file():
+            n = sum(1 for v in (weight_map or {}).values() if v == f.name)
+            problems.append(f"missing shard file: {f.name} (named in {index.name if index else 'the index'} "
+                            f"for {n} tensors)")
+            bad_files.add(f.name)
+            continue
+        try:
+            header = read_header(f)
+        except ValueError as e:
+            problems.append(f"corrupt safetensors file {f.name}: {e}")
+            bad_files.add(f.name)
+            continue
+        readable.append(f)
+        for key, info in header.items():
+            if key in infos:
+                problems.append(f"tensor {key} is stored twice ({infos[key].file.name} and {f.name})")
+                continue
+            infos[key] = info
+
+    unavailable: set[str] = set()  # canonical names whose keys sit in a missing/corrupt shard
+    if weight_map is not None:
+        dangling = sorted(k for k, v in weight_map.items() if v not in bad_files and k not in infos)
+        for k in dangling:
+            problems.append(f"index points at missing key: {k} (index says it is in {weight_map[k]}, which "
+                            "does not contain it)")
+        unlisted = sorted(k for k in infos if k not in weight_map)
+        if unlisted:
+            logger.warning("%d tensors are in shards but not in the index (loaded anyway): %s",
+                           len(unlisted), abbreviate_names(unlisted, 10))
+        for k, v in weight_map.items():
+            if v in bad_files or k in dangling:
+                unavailable.update(t.name for t in checkpoint_key_targets(_weight_key(k)))
+
+    # ---- fp8 scales ---------------------------------------------------------------------------
+    block = _fp8_block(cfg)
+    scales: dict[str, TensorInfo] = {}
+    scale_trouble: set[str] = set()  # fp8 weights whose scale exists but is itself a problem
+    unexpected: list[str] = []
+    for key in [k for k in infos if k.endswith(SCALE_SUFFIX)]:
+        sinfo = infos.pop(key)
+        base = key[: -len(SCALE_SUFFIX)]
+        w = infos.get(base)
+        if w is None:
+            if weight_map is not None and weight_map.get(base) in bad_files:
+                continue
+            unexpected.append(key)
+        elif w.dtype not in FP8_CODES:
+            problems.append(f"scale {key} belongs to {base}, which is {w.dtype}, not fp8; drop the scale or store "
+                            "the weight as float8_e4m3fn")
+        elif sinfo.shape != fp8_scale_shape(w.shape, block):
+            scale_trouble.add(base)
+            problems.append(f"wrong shape: fp8 scale {key}: got {tuple(sinfo.shape)}, expected "
+                            f"{fp8_scale_shape(w.shape, block)} (one scale per {block[0]}x{block[1]} block of "
+                            f"{tuple(w.shape)})")
+        else:
+            scales[base] = sinfo
+    for key, w in infos.items():
+        if w.dtype in FP8_CODES and key not in scales and key not in scale_trouble:
+            problems.append(f"fp8 weight without its scale: {key} is {w.dtype} but {key}{SCALE_SUFFIX} is absent")
+
+    # ---- map keys to canonical names ----------------------------------------------------------
+    expected = expected_weight_shapes(cfg, include_mtp=True)
+    recipes: dict[str, _Recipe] = {}
+    mtp_declared = set(cfg.text.mtp_layer_ids)
+    undeclared_mtp: list[str] = []
+    for key, info in infos.items():
+        targets = checkpoint_key_targets(key)
+        if any(t.name not in expected for t in targets):
+            m = _REDUNDANT_MTP_RE.match(strip_prefix(key))
+            if m and int(m.group(1)) in mtp_declared:
+                logger.info("ignoring %s: the MTP layer shares the main embed_tokens / lm_head", key)
+                continue
+            lm = re.match(r"^layers\.(\d+)\.", targets[0].name)
+            if lm and int(lm.group(1)) >= cfg.text.num_hidden_layers and int(lm.group(1)) not in mtp_declared:
+                undeclared_mtp.append(key)
+            else:
+                unexpected.append(key)
+            continue
+        for t in targets:
+            r = recipes.setdefault(t.name, _Recipe(t.name, expected[t.name]))
+            r.parts.append(_Part(t, info, scales.get(key)))
+
+    wrong: list[str] = []
+    missing: set[str] = set()
+    for r in recipes.values():
+        kinds = {p.target.kind for p in r.parts}
+        if len(kinds) > 1 or (kinds != {"expert"} and len(r.parts) > 1):
+            problems.append(f"tensor {r.name} is provided more than once: "
+                            f"{', '.join(sorted(p.info.key for p in r.parts))}; keep one key layout")
+            continue
+        for p in r.parts:
+            want = source_shape(p.target, r.shape)
+            if p.info.shape != want:
+                wrong.append(f"wrong shape: {r.name} (key {p.info.key}): got {tuple(p.info.shape)}, expected {want}")
+        if kinds == {"expert"}:
+            n_exp = r.shape[0]
+            seen: dict[int, _Part] = {}
+            for p in r.parts:
+                if p.target.index >= n_exp:
+                    unexpected.append(p.info.key)
+                elif p.target.index in seen:
+                    problems.append(f"expert {p.target.index} of {r.name} is stored twice")
+                else:
+                    seen[p.target.index] = p
+            for e in range(n_exp):
+                if e not in seen and r.name not in unavailable:
+                    missing.add(f"{r.name.rsplit('.', 1)[0]}.{e}.{r.name.rsplit('.', 1)[1]}.weight")
+            r.parts = [seen[e] for e in sorted(seen)]
+    problems.extend(wrong)
+
+    # ---- missing ------------------------------------------------------------------------------
+    mtp_names = {n for n in expected if is_mtp_name(n, cfg)}
+    if mtp_names and not any(n in recipes or n in unavailable for n in mtp_names):
+        if allow_missing_mtp:
+            logger.info("checkpoint has no MTP layer (layers %s); loading without it (speculative decoding "
+                        "must stay off)", cfg.text.mtp_layer_ids)
+            for n in mtp_names:
+                expected.pop(n)
+        else:
+            problems.append(
+                f"MTP layer(s) {cfg.text.mtp_layer_ids} declared by the config (num_nextn_predict_layers="
+                f"{cfg.text.num_nextn_predict_layers}) are absent from the checkpoint; pass "
+                "allow_missing_mtp=True (speculative decoding off) or use a checkpoint with layers."
+                f"{cfg.text.mtp_layer_ids[0]}.*")
+            for n in mtp_names:
+                expected.pop(n)
+    if ("lm_head.weight" not in recipes and "lm_head.weight" not in unavailable and cfg.text.tie_word_embeddings
+            and "embed_tokens.weight" in recipes):
+        logger.info("lm_head.weight absent and tie_word_embeddings=true: sharing embed_tokens.weight")
+        emb = recipes["embed_tokens.weight"]
+        recipes["lm_head.weight"] = _Recipe("lm_head.weight", expected["lm_head.weight"], list(emb.parts))
+    missing |= {n for n in expected if n not in recipes and n not in unavailable}
+    if bad_files and weight_map is None:
+        missing.clear()  # without an index the corrupt file's contents are unknown: listing would mislead
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {_summarize_missing(missing, expected)}")
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {abbreviate_names(unexpected)}")
+    if undeclared_mtp:
+        problems.append(
+            f"unexpected tensors ({len(undeclared_mtp)}) beyond num_hidden_layers={cfg.text.num_hidden_layers}: "
+            f"{abbreviate_names(undeclared_mtp)}; if these are MTP layers set num_nextn_predict_layers in "
+            "config.json")
+    if problems:
+        raise CheckpointError(path, problems)
+    ordered = [recipes[n] for n in expected if n in recipes]
+    return ordered, readable
+
+
+def _summarize_missing(missing: set[str], expected: dict[str, Shape]) -> str:
+    """Abbreviated missing-name list where an entirely absent layer / vision tower is one entry."""
+    def group(name: str) -> str:
+        m = re.match(r"^(layers\.\d+)\.", name)
+        return m.group(1) if m else ("visual" if name.startswith("visual.") else "")
+
+    sizes: dict[str, int] = {}
+    for n in expected:
+        sizes[group(n)] = sizes.get(group(n), 0) + 1
+    counts: dict[str, int] = {}
+    for n in missing:
+        counts[group(n)] = counts.get(group(n), 0) + 1
+    whole = {g for g, c in counts.items() if g and c == sizes.get(g)}
+    rest = [n for n in missing if group(n) not in whole]
+    parts = []
+    if whole:
+        parts.append(abbreviate_names([f"{g}.*" for g in whole]) + " (entirely absent)")
+    if rest:
+        parts.append(abbreviate_names(rest))
+    return ", ".join(parts)
+
+
+def _weight_key(key: str) -> str:
+    """Map a scale key to its weight key (so it resolves to the same canonical tensor)."""
+    return key[: -len(SCALE_SUFFIX)] if key.endswith(SCALE_SUFFIX) else key
+
+
+# ---------------------------------------------------------------------------------------------
+# load
+# ---------------------------------------------------------------------------------------------
+class _Reader:
+    """Open shard handles (memory-mapped) and per-part reads with fp8 dequantization."""
+
+    def __init__(self, stack: contextlib.ExitStack, device: torch.device, block: tuple[int, int]):
+        self._stack = stack
+        self._handles: dict[Path, Any] = {}
+        self.device = device
+        self.block = block
+        self.dequantized = 0
+
+    def _h(self, file: Path) -> Any:
+        h = self._handles.get(file)
+        if h is None:
+            h = self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            self._handles[file] = h
+        return h
+
+    def read(self, part: _Part) -> torch.Tensor:
+        """The canonical-side tensor of ``part`` (its chunk, for packed keys), on ``self.device``."""
+        t = part.target
+        h = self._h(part.info.file)
+        if part.scale is None:
+            if t.kind == "chunk":
+                size = part.info.shape[t.dim] // t.count
+                idx = tuple([slice(None)] * t.dim + [slice(t.index * size, (t.index + 1) * size)])
+                return h.get_slice(part.info.key)[idx].to(self.device)
+            return h.get_tensor(part.info.key).to(self.device)
+        w8 = h.get_tensor(part.info.key).to(self.device)
+        s = self._h(part.scale.file).get_tensor(part.scale.key)
+        w = dequantize_fp8_blockwise(w8, s, self.block)
+        self.dequantized += 1
+        if t.kind == "chunk":
+            w = w.chunk(t.count, dim=t.dim)[t.index]
+        return w
+
+
+def load_weights(path: str | Path, cfg: ModelConfig | None = None, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, progress: bool = True,
+                 allow_missing_mtp: bool = False) -> dict[str, torch.Tensor]:
+    """Load every canonical tensor of the checkpoint at ``path`` onto ``device``.
+
+    ``cfg`` defaults to the checkpoint's own ``config.json``. Tensors are cast to ``dtype`` except
+    the fp32 set (:func:`glm5.weights.is_fp32_weight`); fp8 block-quantized weights are
+    dequantized first. Routed experts come back stacked. With ``allow_missing_mtp=True`` a
+    checkpoint without the config's MTP layers loads (and the MTP names are absent from the
+    result); MTP tensors that are present are always returned. Raises :class:`CheckpointError`
+    listing every problem if the checkpoint does not match ``cfg``.
+    """
+    path = Path(path)
+    if cfg is None:
+        cfg = ModelConfig.from_pretrained(path if path.is_dir() else path.parent)
+    t0 = time.perf_counter()
+    recipes, files = _plan(path, cfg, allow_missing_mtp)
+    dev = torch.device(device)
+    out: dict[str, torch.Tensor] = {}
+    total = 0
+    with contextlib.ExitStack() as stack:
+        reader = _Reader(stack, dev, _fp8_block(cfg))
+        bar = tqdm(recipes, desc=f"loading {path.name or path}", unit="tensor", disable=not progress,
+                   leave=False)
+        for r in bar:
+            want = torch.float32 if is_fp32_weight(r.name) else dtype
+            if r.parts[0].target.kind == "expert":
+                t = torch.empty(r.shape, dtype=want, device=dev)
+                for e, part in enumerate(r.parts):
+                    t[e].copy_(reader.read(part))
+            else:
+                t = reader.read(r.parts[0]).to(dtype=want)
+                if r.parts[0].target.kind == "chunk":
+                    t = t.contiguous()
+            out[r.name] = t
+            total += t.numel() * t.element_size()
+        bar.close()
+    logger.info("loaded %d tensors (%.2f GiB, %s) from %d file(s) in %s in %.1fs%s", len(out), total / 2**30,
+                dtype, len(files), path, time.perf_counter() - t0,
+                f"; dequantized {reader.dequantized} fp8 tensors" if reader.dequantized else "")
+    return out
+
+
+def check_checkpoint(path: str | Path, cfg: ModelConfig | None = None, allow_missing_mtp: bool = False) -> int:
+    """Validate a checkpoint from its headers only (no tensor data read); returns the tensor count.
+
+    Raises :class:`CheckpointError` exactly as :func:`load_weights` would.
+    """
+    path = Path(path)
+    if cfg is None:
+        cfg = ModelConfig.from_pretrained(path if path.is_dir() else path.parent)
+    recipes, _ = _plan(path, cfg, allow_missing_mtp)
+    return len(recipes)
