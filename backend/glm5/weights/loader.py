@@ -138,8 +138,8 @@ def _plan(path: Path, cfg: ModelConfig, allow_missing_mtp: bool) -> tuple[list[_
 
     unavailable: set[str] = set()  # canonical names whose keys sit in a missing/corrupt shard
     if weight_map is not None:
-        dangling = sorted(k for k, v in weight_map.items() if v not in bad_files and k not in infos)
-        for k in dangling:
+        dangling = {k for k, v in weight_map.items() if v not in bad_files and k not in infos}
+        for k in sorted(dangling):
             problems.append(f"index points at missing key: {k} (index says it is in {weight_map[k]}, which "
                             "does not contain it)")
         unlisted = sorted(k for k in infos if k not in weight_map)
