@@ -1,0 +1,583 @@
+"""Triton python-based backend ``glm5``: the GLM-5.3-Flash engine behind a decoupled model.
+
+Installed as ``<backend-directory>/glm5/model.py``; a model whose ``config.pbtxt`` says
+``backend: "glm5"`` runs this file in a Python-backend stub process.
+
+Threads inside the stub (one model instance serves every request; ``execute`` never blocks):
+
+* the engine's own loop thread (``AsyncLLMEngine``) schedules and runs the model;
+* an asyncio loop thread runs one coroutine per request: parse tensors, ``add_request``, iterate
+  the request's output stream and queue responses;
+* a response thread drains that queue and calls ``response_sender.send`` (IPC to the server), so
+  neither the engine nor the asyncio loop ever waits on the server; after each sent delta it
+  checks ``is_cancelled()``, i.e. cancellation is seen every engine step;
+* a cancellation thread polls ``is_cancelled()`` for requests that produce no output yet
+  (queued, long prefill) every ``cancellation_check_period_ms``;
+* a metrics thread copies engine statistics into Triton custom metrics every
+  ``metrics_interval_ms`` and records per-request latency histograms.
+
+A request is cancelled → ``engine.abort(id)`` → the stream ends with ``finish_reason="abort"`` →
+a final ``CANCELLED`` error response. A ``stop=true`` request with the same request id as a running
+request aborts it too; that is the only way to stop a request that came through the
+``glm5_multimodal`` ensemble, because Triton 2.51 does not pass client cancellation on to an
+ensemble step that is already running.
+
+The stub embeds the system libpython and ignores ``PYTHONPATH``: ``sys.path`` is extended from
+``$GLM5_PYTHON_PATH`` (set by ``glm5 serve``) at import time and from the ``python_path`` config
+parameter in ``initialize`` before anything from the project (or numpy) is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def _extend_sys_path(value: str | None) -> None:
+    """Prepend ``os.pathsep``-separated entries to ``sys.path`` (first entry wins)."""
+    for entry in reversed([p for p in (value or "").split(os.pathsep) if p]):
+        if entry in sys.path:
+            sys.path.remove(entry)
+        sys.path.insert(0, entry)
+
+
+_extend_sys_path(os.environ.get("GLM5_PYTHON_PATH"))
+
+import asyncio  # noqa: E402
+import concurrent.futures  # noqa: E402
+import logging  # noqa: E402
+import queue  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+logger = logging.getLogger("glm5.backend")
+
+# Config parameters consumed by this backend; every other non-empty parameter goes to EngineArgs.
+BACKEND_PARAMETERS = frozenset({"python_path", "report_metrics", "metrics_interval_ms",
+                                "cancellation_check_period_ms", "engine_module", "EXECUTION_ENV_PATH"})
+
+_OPT = {"optional": True}
+INPUTS: list[dict[str, Any]] = [
+    {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1], **_OPT},
+    {"name": "image", "data_type": "TYPE_STRING", "dims": [-1], **_OPT},
+    {"name": "video", "data_type": "TYPE_STRING", "dims": [-1], **_OPT},
+    {"name": "messages", "data_type": "TYPE_STRING", "dims": [1], **_OPT},
+    {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], **_OPT},
+    {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], **_OPT},
+    {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": [1], **_OPT},
+    {"name": "return_finish_reason", "data_type": "TYPE_BOOL", "dims": [1], **_OPT},
+    {"name": "return_num_input_tokens", "data_type": "TYPE_BOOL", "dims": [1], **_OPT},
+    {"name": "return_num_output_tokens", "data_type": "TYPE_BOOL", "dims": [1], **_OPT},
+    {"name": "return_logprobs", "data_type": "TYPE_BOOL", "dims": [1], **_OPT},
+    {"name": "stop", "data_type": "TYPE_BOOL", "dims": [1], **_OPT},
+    # Preprocessed tensors from the `preprocess` model (ensemble path); empty = absent.
+    {"name": "input_ids", "data_type": "TYPE_INT64", "dims": [-1], **_OPT},
+    {"name": "pixel_values", "data_type": "TYPE_FP32", "dims": [-1, -1], **_OPT},
+    {"name": "image_grid_thw", "data_type": "TYPE_INT64", "dims": [-1, 3], **_OPT},
+    {"name": "pixel_values_videos", "data_type": "TYPE_FP32", "dims": [-1, -1], **_OPT},
+    {"name": "video_grid_thw", "data_type": "TYPE_INT64", "dims": [-1, 3], **_OPT},
+]
+OUTPUTS: list[dict[str, Any]] = [
+    {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
+    {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
+    {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
+]
+MM_TENSORS = ("input_ids", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+@dataclass
+class _RequestState:
+    """Book-keeping for one in-flight request."""
+
+    request: Any
+    sender: Any
+    client_id: str
+    engine_id: str = ""
+    cancelled: bool = False        # the client cancelled (gRPC stop_stream / disconnect)
+    done: bool = False             # final response queued
+    arrival: float = field(default_factory=time.monotonic)
+
+
+class _Metrics:
+    """Triton custom metrics fed from a background thread (never from the engine or send path)."""
+
+    TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0]
+    ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                   0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+    E2E_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0]
+
+    def __init__(self, labels: dict[str, str], engine: Any, interval_s: float) -> None:
+        MF = pb_utils.MetricFamily
+        self._engine = engine
+        self._interval = interval_s
+        self._events: "queue.Queue[Any]" = queue.Queue()
+        self._stop = threading.Event()
+
+        # The families must outlive their metrics (the stub rejects updates otherwise): keep them.
+        self._families: list[Any] = []
+
+        def fam(name: str, desc: str, kind: Any) -> Any:
+            family = MF(name=name, description=desc, kind=kind)
+            self._families.append(family)
+            return family
+
+        self.prompt_tokens = fam("glm5:prompt_tokens_total", "Prompt tokens processed", MF.COUNTER).Metric(labels)
+        self.gen_tokens = fam("glm5:generation_tokens_total", "Tokens generated", MF.COUNTER).Metric(labels)
+        self.aborted = fam("glm5:request_aborted_total", "Requests aborted (cancel/stop/shutdown)",
+                           MF.COUNTER).Metric(labels)
+        self.finished = fam("glm5:request_finished_total", "Requests finished by the engine",
+                            MF.COUNTER).Metric(labels)
+        self.preempted = fam("glm5:request_preempted_total", "Preemptions", MF.COUNTER).Metric(labels)
+        self.errors = fam("glm5:request_error_total", "Requests answered with an error", MF.COUNTER).Metric(labels)
+        self.running = fam("glm5:num_requests_running", "Requests in the running batch", MF.GAUGE).Metric(labels)
+        self.waiting = fam("glm5:num_requests_waiting", "Requests waiting to be scheduled", MF.GAUGE).Metric(labels)
+        self.cache_usage = fam("glm5:kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1)",
+                               MF.GAUGE).Metric(labels)
+        self.ttft = fam("glm5:time_to_first_token_seconds", "Time to first token", MF.HISTOGRAM).Metric(
+            labels, buckets=self.TTFT_BUCKETS)
+        self.itl = fam("glm5:inter_token_latency_seconds", "Time between output tokens",
+                       MF.HISTOGRAM).Metric(labels, buckets=self.ITL_BUCKETS)
+        self.e2e = fam("glm5:e2e_request_latency_seconds", "Request latency (arrival to finish)",
+                       MF.HISTOGRAM).Metric(labels, buckets=self.E2E_BUCKETS)
+        self._last: dict[str, float] = {}
+        self._thread = threading.Thread(target=self._loop, name="glm5-metrics", daemon=True)
+        self._thread.start()
+
+    def record_request(self, metrics: Any) -> None:
+        """Queue a finished request's ``RequestMetrics`` (non-blocking)."""
+        if metrics is not None:
+            self._events.put(metrics)
+
+    def record_error(self) -> None:
+        self._events.put("error")
+
+    def _counter_from_total(self, metric: Any, key: str, total: float) -> None:
+        delta = total - self._last.get(key, 0.0)
+        if delta > 0:
+            metric.increment(delta)
+        self._last[key] = total
+
+    def _update_from_stats(self) -> None:
+        st = self._engine.stats()
+        self.running.set(float(st.running))
+        self.waiting.set(float(st.waiting))
+        self.cache_usage.set(float(st.cache_usage))
+        self._counter_from_total(self.prompt_tokens, "prompt", float(st.prompt_tokens_total))
+        self._counter_from_total(self.gen_tokens, "gen", float(st.generation_tokens_total))
+        self._counter_from_total(self.aborted, "aborted", float(st.aborted_total))
+        self._counter_from_total(self.finished, "finished", float(st.finished_total))
+        self._counter_from_total(self.preempted, "preempted", float(st.preempted_total))
+
+    def _drain_events(self) -> None:
+        while True:
+            try:
+                ev = self._events.get_nowait()
+            except queue.Empty:
+                return
+            if ev == "error":
+                self.errors.increment(1)
+                continue
+            arrival = getattr(ev, "arrival_time", None)
+            first = getattr(ev, "first_token_time", None)
+            fin = getattr(ev, "finished_time", None)
+            if arrival is not None and first is not None:
+                self.ttft.observe(max(0.0, first - arrival))
+            if arrival is not None and fin is not None:
+                self.e2e.observe(max(0.0, fin - arrival))
+            for gap in getattr(ev, "inter_token_latencies", None) or ():
+                self.itl.observe(max(0.0, float(gap)))
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._update_from_stats()
+                self._drain_events()
+            except Exception:  # noqa: BLE001 (metrics must never take the model down)
+                logger.exception("metrics update failed")
+            self._stop.wait(self._interval)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        try:
+            self._update_from_stats()
+            self._drain_events()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _scalar(request: Any, name: str) -> Any:
+    """First element of an optional input, or None when absent."""
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return None
+    arr = t.as_numpy()
+    return arr.reshape(-1)[0] if arr.size else None
+
+
+def _bool(request: Any, name: str) -> bool | None:
+    v = _scalar(request, name)
+    return None if v is None else bool(v)
+
+
+def _str(request: Any, name: str) -> str | None:
+    v = _scalar(request, name)
+    if v is None:
+        return None
+    return v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
+
+
+def _array(request: Any, name: str) -> np.ndarray | None:
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return None if t is None else t.as_numpy()
+
+
+class TritonPythonModel:
+    """The glm5 decoupled model (see the module docstring for the threading model)."""
+
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config: Any) -> Any:
+        """Make a bare ``backend: "glm5"`` config complete: decoupled, no batch dim, all tensors."""
+        cfg = auto_complete_model_config
+        have_in = {i["name"] for i in cfg.as_dict().get("input", [])}
+        have_out = {o["name"] for o in cfg.as_dict().get("output", [])}
+        for spec in INPUTS:
+            if spec["name"] not in have_in:
+                cfg.add_input(spec)
+        for spec in OUTPUTS:
+            if spec["name"] not in have_out:
+                cfg.add_output(spec)
+        cfg.set_max_batch_size(0)
+        cfg.set_model_transaction_policy({"decoupled": True})
+        return cfg
+
+    # ------------------------------------------------------------------ lifecycle
+    def initialize(self, args: dict[str, str]) -> None:
+        self.model_config = json.loads(args["model_config"])
+        params = {k: v.get("string_value", "") for k, v in self.model_config.get("parameters", {}).items()}
+        _extend_sys_path(params.get("python_path"))
+        if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
+            raise pb_utils.TritonModelException(
+                "the glm5 model must be decoupled: set model_transaction_policy { decoupled: true }")
+
+        import importlib
+
+        from glm5.serving import request as rq
+
+        self._rq = rq
+        # The module providing EngineArgs / AsyncLLMEngine / PromptInput (an alternative engine with
+        # the same API can be plugged in here).
+        self._engine_mod = importlib.import_module(params.get("engine_module") or "glm5.engine")
+        EngineArgs, AsyncLLMEngine = self._engine_mod.EngineArgs, self._engine_mod.AsyncLLMEngine
+        engine_params = {k: v for k, v in params.items() if k not in BACKEND_PARAMETERS and v != ""}
+        if args.get("model_instance_kind") == "GPU" and "device" not in engine_params:
+            engine_params["device"] = f"cuda:{args.get('model_instance_device_id', '0')}"
+        if "model" not in engine_params:
+            raise pb_utils.TritonModelException(
+                "config.pbtxt of the glm5 model needs parameters { key: \"model\" value: { string_value: "
+                "\"/path/to/checkpoint\" } } (glm5 serve --model DIR fills it in)")
+        self.engine_args = EngineArgs.from_dict(engine_params)
+        logger.info("glm5: starting engine with %s", self.engine_args)
+        self.engine = AsyncLLMEngine(self.engine_args)
+        self._load_error_types()
+
+        self._states: dict[str, _RequestState] = {}
+        self._states_lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._stops = rq.StopRegistry()
+        self._shutdown = threading.Event()
+
+        self._loop = asyncio.new_event_loop()
+        # RequestStream's ``async for`` waits in an executor thread per in-flight request; the
+        # default pool (cpu+4 threads) would serialise streams, so size it for the engine's batch.
+        max_seqs = int(getattr(self.engine_args, "max_num_seqs", 64))
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=2 * max_seqs + 16,
+                                                               thread_name_prefix="glm5-io")
+        self._loop.set_default_executor(self._executor)
+        self._loop_thread = threading.Thread(target=self._run_loop, name="glm5-asyncio", daemon=True)
+        self._loop_thread.start()
+        self._responses: "queue.Queue[tuple[_RequestState, Any, int] | None]" = queue.Queue()
+        self._response_thread = threading.Thread(target=self._response_loop, name="glm5-responses",
+                                                 daemon=True)
+        self._response_thread.start()
+        self._cancel_period = float(params.get("cancellation_check_period_ms") or 20) / 1000.0
+        self._cancel_thread = threading.Thread(target=self._cancellation_loop, name="glm5-cancel", daemon=True)
+        self._cancel_thread.start()
+
+        self._metrics = None
+        if (params.get("report_metrics") or "true").lower() in ("1", "true", "yes"):
+            labels = {"model": args["model_name"], "version": args["model_version"]}
+            interval = float(params.get("metrics_interval_ms") or 200) / 1000.0
+            self._metrics = _Metrics(labels, self.engine, interval)
+
+    def _load_error_types(self) -> None:
+        """Exception types that mean "bad request" (INVALID_ARG) rather than a server fault."""
+        types: list[type] = [self._rq.RequestError, ValueError, TypeError]
+        try:
+            from glm5.sampling_params import SamplingParamsError
+
+            types.append(SamplingParamsError)
+        except ImportError:
+            pass
+        try:
+            from glm5.multimodal import MediaError
+
+            types.append(MediaError)
+        except ImportError:
+            pass
+        self._bad_request_types = tuple(types)
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    def finalize(self) -> None:
+        """Abort everything, stop the engine, then every thread (in dependency order)."""
+        self._shutdown.set()
+        with self._states_lock:
+            ids = [s.engine_id for s in self._states.values() if s.engine_id]
+        for eid in ids:
+            try:
+                self.engine.abort(eid)
+            except Exception:  # noqa: BLE001
+                logger.exception("abort %s during finalize failed", eid)
+        # Let the request coroutines turn their aborts into final responses.
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            with self._states_lock:
+                if not self._states:
+                    break
+            time.sleep(0.02)
+        try:
+            self.engine.shutdown()
+        except Exception:  # noqa: BLE001
+            logger.exception("engine shutdown failed")
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join(timeout=10)
+        self._responses.put(None)
+        self._response_thread.join(timeout=10)
+        self._cancel_thread.join(timeout=5)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._metrics is not None:
+            self._metrics.close()
+
+    # ------------------------------------------------------------------ request path
+    def execute(self, requests: list[Any]) -> None:
+        """Hand each request to the asyncio loop and return at once (decoupled)."""
+        for request in requests:
+            state = _RequestState(request=request, sender=request.get_response_sender(),
+                                  client_id=request.request_id() or "")
+            if self._shutdown.is_set():
+                self._queue_error(state, "the glm5 model is shutting down", pb_utils.TritonError.UNAVAILABLE)
+                continue
+            asyncio.run_coroutine_threadsafe(self._handle(state), self._loop)
+        return None
+
+    async def _handle(self, state: _RequestState) -> None:
+        """Run one request from parsing to its final response; never raises."""
+        try:
+            await self._generate(state)
+        except self._bad_request_types as exc:
+            self._queue_error(state, str(exc), pb_utils.TritonError.INVALID_ARG)
+        except Exception as exc:  # noqa: BLE001 (the model keeps serving; the client gets the reason)
+            logger.exception("request %s failed", state.client_id or state.engine_id)
+            self._queue_error(state, f"internal error: {type(exc).__name__}: {exc}",
+                              pb_utils.TritonError.INTERNAL)
+        finally:
+            if state.engine_id:
+                with self._states_lock:
+                    self._states.pop(state.engine_id, None)
+                    self._stops.remove(state.client_id, state.engine_id)
+
+    def _parse(self, request: Any) -> tuple[Any, Any, Any]:
+        """Tensors → (PromptInput, SamplingParams, OutputFlags); raises on bad input."""
+        from glm5.sampling_params import SamplingParams
+
+        PromptInput = self._engine_mod.PromptInput
+
+        rq = self._rq
+        text = _str(request, "text_input")
+        messages = rq.parse_messages(_str(request, "messages"))
+        media: dict[str, list[bytes]] = {}
+        for name in ("image", "video"):
+            arr = _array(request, name)
+            items = [] if arr is None else arr.reshape(-1)
+            media[name] = [rq.decode_media_item(b, name=name, index=i) for i, b in enumerate(items)]
+        images, videos = media["image"], media["video"]
+        mm: dict[str, np.ndarray] = {}
+        for name in MM_TENSORS:
+            arr = _array(request, name)
+            if arr is not None and arr.size:
+                mm[name] = arr
+        if mm and "input_ids" not in mm:
+            raise rq.RequestError("preprocessed pixel tensors need input_ids from the preprocess model")
+        if mm and (images or videos):
+            raise rq.RequestError("send either raw image/video bytes or preprocessed tensors, not both")
+        if messages is None and text is None and not mm:
+            raise rq.RequestError("text_input is required (or messages for chat requests)")
+        if messages is None and not mm and not text:
+            raise rq.RequestError("text_input is empty; send a prompt")
+
+        sp_json = _str(request, "sampling_parameters")
+        if sp_json is not None:
+            sp = rq.parse_json_object(sp_json, name="sampling_parameters")
+        else:
+            sp = rq.request_parameters(request.parameters())
+        rq.check_finite_numbers(sp)
+        flags = rq.output_flags(_bool(request, "stream"), _bool(request, "exclude_input_in_output"),
+                                return_finish_reason=_bool(request, "return_finish_reason"),
+                                return_num_input_tokens=_bool(request, "return_num_input_tokens"),
+                                return_num_output_tokens=_bool(request, "return_num_output_tokens"),
+                                return_logprobs=_bool(request, "return_logprobs"))
+        if flags.return_logprobs and sp.get("logprobs") is None:
+            sp["logprobs"] = 0      # the sampled token's logprob only
+        params = SamplingParams.from_dict(sp)
+        if mm:
+            if text and "prompt_text" not in mm:
+                mm["prompt_text"] = text
+            prompt = PromptInput(token_ids=[int(x) for x in mm["input_ids"].reshape(-1)], mm_inputs=mm)
+        elif messages is not None:
+            prompt = PromptInput(messages=messages, images=images, videos=videos)
+        else:
+            prompt = PromptInput(text=text, images=images, videos=videos)
+        return prompt, params, flags
+
+    def _handle_stop(self, state: _RequestState) -> None:
+        """``stop=true``: abort every running request whose request id equals this one's."""
+        if not state.client_id:
+            raise self._rq.RequestError("a stop request needs the request id of the request to stop "
+                                        "(set request_id on the stop request)")
+        with self._states_lock:
+            targets = self._stops.lookup(state.client_id)
+        for eid in targets:
+            self.engine.abort(eid)
+        out = pb_utils.Tensor("text_output", np.array([b""], dtype=np.object_))
+        n = pb_utils.Tensor("num_output_tokens", np.array([len(targets)], dtype=np.uint32))
+        self._queue(state, pb_utils.InferenceResponse(output_tensors=[out, n]), _FINAL)
+
+    async def _generate(self, state: _RequestState) -> None:
+        request = state.request
+        if _bool(request, "stop"):
+            self._handle_stop(state)
+            return
+        prompt, params, flags = self._parse(request)
+        state.engine_id = f"{state.client_id or 'req'}-{uuid.uuid4().hex[:12]}"
+        with self._states_lock:
+            self._states[state.engine_id] = state
+            self._stops.add(state.client_id, state.engine_id)
+        loop = asyncio.get_running_loop()
+        # add_request validates (and may decode media) synchronously: keep it off the loop thread.
+        stream = await loop.run_in_executor(None, self.engine.add_request, state.engine_id, prompt, params)
+        if state.cancelled:
+            self.engine.abort(state.engine_id)
+
+        pieces: list[str] = []
+        logprobs: list[dict] = []
+        n_out = 0
+        last = None
+        async for out in stream:
+            last = out
+            if state.cancelled:
+                if out.finished:
+                    break
+                continue
+            if flags.stream:
+                if out.finished or out.token_ids or out.text:
+                    self._queue(state, self._response(out, out.text, len(out.token_ids), out.logprobs, flags),
+                                _FINAL if out.finished else 0)
+            else:
+                pieces.append(out.text)
+                n_out += len(out.token_ids)
+                logprobs.extend(out.logprobs or [])
+                if out.finished:
+                    text = "".join(pieces)
+                    if flags.prepend_input and out.prompt_text:
+                        text = out.prompt_text + text
+                    self._queue(state, self._response(out, text, n_out, logprobs, flags), _FINAL)
+            if out.finished:
+                break
+        if last is not None and last.finished and self._metrics is not None:
+            self._metrics.record_request(getattr(last, "metrics", None))
+        if state.cancelled:
+            self._queue_error(state, "request was cancelled", pb_utils.TritonError.CANCELLED)
+        elif last is None or not last.finished:
+            self._queue_error(state, "the engine ended the request without a final output",
+                              pb_utils.TritonError.INTERNAL)
+
+    def _response(self, out: Any, text: str, n_tokens: int, logprobs: list | None, flags: Any) -> Any:
+        tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
+        if flags.return_finish_reason:
+            reason = (out.finish_reason or "") if out.finished else ""
+            tensors.append(pb_utils.Tensor("finish_reason", np.array([reason.encode()], dtype=np.object_)))
+        if flags.return_num_input_tokens:
+            tensors.append(pb_utils.Tensor("num_input_tokens", np.array([out.num_prompt_tokens], dtype=np.uint32)))
+        if flags.return_num_output_tokens:
+            tensors.append(pb_utils.Tensor("num_output_tokens", np.array([n_tokens], dtype=np.uint32)))
+        if flags.return_logprobs:
+            tensors.append(pb_utils.Tensor("logprobs", np.array([json.dumps(logprobs or []).encode()],
+                                                                dtype=np.object_)))
+        return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    # ------------------------------------------------------------------ sending
+    def _queue(self, state: _RequestState, response: Any, flags: int) -> None:
+        if state.done:
+            return
+        if flags & _FINAL:
+            state.done = True
+        self._responses.put((state, response, flags))
+
+    def _queue_error(self, state: _RequestState, message: str, code: Any) -> None:
+        if state.done:
+            return
+        if self._metrics is not None and code != pb_utils.TritonError.CANCELLED:
+            self._metrics.record_error()
+        err = pb_utils.TritonError(message, code)
+        out = pb_utils.Tensor("text_output", np.array([b""], dtype=np.object_))
+        self._queue(state, pb_utils.InferenceResponse(output_tensors=[out], error=err), _FINAL)
+
+    def _response_loop(self) -> None:
+        while True:
+            item = self._responses.get()
+            if item is None:
+                return
+            state, response, flags = item
+            try:
+                with self._send_lock:
+                    state.sender.send(response, flags=flags)
+                    if not flags & _FINAL and not state.cancelled and state.sender.is_cancelled():
+                        self._mark_cancelled(state)
+            except Exception:  # noqa: BLE001 (a vanished client must not stop other responses)
+                logger.exception("sending a response for %s failed", state.engine_id or state.client_id)
+                if not flags & _FINAL:
+                    self._mark_cancelled(state)
+
+    def _mark_cancelled(self, state: _RequestState) -> None:
+        state.cancelled = True
+        if state.engine_id:
+            self.engine.abort(state.engine_id)
+
+    def _cancellation_loop(self) -> None:
+        while not self._shutdown.wait(self._cancel_period):
+            with self._states_lock:
+                states = [s for s in self._states.values() if not s.cancelled and not s.done]
+            for s in states:
+                try:
+                    with self._send_lock:
+                        cancelled = s.sender.is_cancelled()
+                except Exception:  # noqa: BLE001
+                    cancelled = False
+                if cancelled:
+                    self._mark_cancelled(s)
