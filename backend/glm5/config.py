@@ -213,7 +213,18 @@ class TextConfig:
         cfg.mlp_kinds = mk
 
         indexer_types = d.get("indexer_types")
-        if indexer_types is not None and any(t != "full" for t in indexer_types):
+        if indexer_types is None:
+            # HF derives the schedule from `index_topk_pattern` ("F"/"S") or the freq/offset rule;
+            # GLM-5.2-style keys (freq 4) would silently produce "shared" layers otherwise.
+            pattern = d.get("index_topk_pattern")
+            if pattern is not None:
+                indexer_types = ([{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
+                                 if isinstance(pattern, str) else list(pattern))
+            else:
+                freq = max(int(d.get("index_topk_freq", 1) or 1), 1)
+                offset = int(d.get("index_skip_topk_offset", 2))
+                indexer_types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+        if any(t != "full" for t in indexer_types):
             raise _bad("indexer_types", indexer_types,
                        "'shared' DSA layers need the previous layer's top-k, which KDA layers do not produce",
                        "use 'full' for every layer (or omit the field)")
