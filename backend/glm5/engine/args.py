@@ -1,0 +1,92 @@
+"""Engine settings (also what ``config.pbtxt`` parameters and CLI flags map to)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    dtype: str = "auto"                 # auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA, fp32 on CPU)
+    device: str = "auto"                # auto | cpu | cuda | cuda:N
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    num_cache_blocks: int | None = None  # None: sized from cache_memory_gb
+    cache_memory_gb: float = 1.0
+    block_size: int = 64
+    num_speculative_tokens: int = 0
+    seed: int = 0
+    media_caps: dict | None = None
+    load_progress: bool = True
+
+    def __post_init__(self) -> None:
+        checks = [("max_model_len", self.max_model_len, 1), ("max_num_seqs", self.max_num_seqs, 1),
+                  ("max_num_batched_tokens", self.max_num_batched_tokens, 1), ("block_size", self.block_size, 1)]
+        for name, value, low in checks:
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}={value!r}: must be an integer >= {low}")
+        if self.num_cache_blocks is not None and self.num_cache_blocks < 1:
+            raise ValueError(f"num_cache_blocks={self.num_cache_blocks}: must be >= 1 (or unset to size from memory)")
+        if not (self.cache_memory_gb > 0 and math.isfinite(self.cache_memory_gb)):
+            raise ValueError(f"cache_memory_gb={self.cache_memory_gb}: must be a positive number")
+        if not 0 <= self.num_speculative_tokens <= 5:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}: must be in 0..5")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r}: use auto, float32, bfloat16 or float16")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but no CUDA device is available; use device=cpu")
+        return dev
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EngineArgs":
+        """Build from string-valued settings (Triton ``config.pbtxt`` parameters), coercing by field type."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown engine setting(s) {unknown}; valid: {sorted(fields)}")
+        kwargs: dict[str, Any] = {}
+        for name, raw in d.items():
+            ftype = str(fields[name].type)
+            if isinstance(raw, str):
+                s = raw.strip()
+                if s == "" or s.lower() == "none":
+                    kwargs[name] = None
+                    continue
+                try:
+                    if ftype.startswith("int"):
+                        kwargs[name] = int(s)
+                    elif ftype.startswith("float"):
+                        kwargs[name] = float(s)
+                    elif ftype.startswith("bool"):
+                        if s.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                            raise ValueError(s)
+                        kwargs[name] = s.lower() in ("true", "1", "yes")
+                    elif ftype.startswith("dict"):
+                        import json
+                        kwargs[name] = json.loads(s)
+                    else:
+                        kwargs[name] = s
+                except ValueError as e:
+                    raise ValueError(f"engine setting {name}={raw!r}: expected {ftype}") from e
+            else:
+                kwargs[name] = raw
+        return cls(**kwargs)

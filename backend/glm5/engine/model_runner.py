@@ -1,0 +1,168 @@
+"""Turns a scheduler step into one packed forward pass and returns the logits to sample from.
+
+Owns the model weights, the hybrid cache and the vision encoder cache. Per step it packs the
+scheduled chunks' token ids and positions, maps multimodal placeholder rows to their vision
+embeddings (encoding every not-yet-encoded image/video of the step in one tower call, with an
+encoder cache keyed by content hash so a repeated image is encoded once), and runs the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+
+import torch
+
+from glm5.cache.hybrid_cache import CacheConfig, HybridCache
+from glm5.config import ModelConfig
+from glm5.engine.scheduler import SchedulerOutput
+from glm5.engine.sequence import MultiModalData, Sequence
+from glm5.model.batch import ForwardBatch, SeqChunk
+from glm5.model.glm5 import Glm5ForCausalLM, ModelOutput
+from glm5.model.vision import flatten_video_grid
+
+logger = logging.getLogger(__name__)
+
+
+def media_hash(pixels: torch.Tensor, grid: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    h.update(grid.to(torch.int64).cpu().numpy().tobytes())
+    h.update(pixels.detach().to(torch.float32).cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class EncoderCache:
+    """LRU of vision embeddings keyed by content hash."""
+
+    def __init__(self, max_entries: int = 64):
+        self.max_entries = max_entries
+        self._d: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: str) -> torch.Tensor | None:
+        v = self._d.get(key)
+        if v is not None:
+            self._d.move_to_end(key)
+            self.hits += 1
+        return v
+
+    def put(self, key: str, value: torch.Tensor) -> None:
+        self._d[key] = value
+        self._d.move_to_end(key)
+        while len(self._d) > self.max_entries:
+            self._d.popitem(last=False)
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], cache_cfg: CacheConfig,
+                 device: torch.device, dtype: torch.dtype):
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.model = Glm5ForCausalLM(cfg, weights)
+        self.cache = HybridCache(cfg.text, cache_cfg, device, dtype)
+        self.encoder_cache = EncoderCache()
+        self.vision_calls = 0
+        logger.info("hybrid cache: %d blocks × %d tokens, %d state slots, %.1f MiB", cache_cfg.num_blocks,
+                    cache_cfg.block_size, cache_cfg.num_state_slots, self.cache.nbytes() / 2**20)
+
+    # ------------------------------------------------------------------ vision
+    def _encode_items(self, items: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """items: (pixels, grid [1, 3] flattened per attention span) → embeddings per item, one tower call."""
+        if self.model.vision is None:
+            raise ValueError("this checkpoint has no vision tower (no vision_config / visual.* weights); "
+                             "send text only")
+        keys = [media_hash(p, g) for p, g in items]
+        out: list[torch.Tensor | None] = [self.encoder_cache.get(k) for k in keys]
+        todo = [i for i, o in enumerate(out) if o is None]
+        if todo:
+            self.encoder_cache.misses += len(todo)
+            pixels = torch.cat([items[i][0] for i in todo]).to(self.device)
+            grids = torch.cat([items[i][1] for i in todo]).to(self.device)
+            emb = self.model.vision(pixels, grids)
+            merge = self.cfg.vision.spatial_merge_size ** 2
+            sizes = [int(items[i][1].prod(-1).sum()) // merge for i in todo]
+            self.vision_calls += 1
+            for i, e in zip(todo, emb.split(sizes)):
+                self.encoder_cache.put(keys[i], e)
+                out[i] = e
+        return out  # type: ignore[return-value]
+
+    def encode_multimodal(self, seqs: list[Sequence]) -> None:
+        """Fill ``seq.mm.embeds`` for every sequence in ``seqs`` that lacks them (one batched tower call)."""
+        pending: list[tuple[MultiModalData, list[int]]] = []
+        items: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for seq in seqs:
+            mm = seq.mm
+            if mm is None or mm.embeds is not None:
+                continue
+            idx = []
+            for pix, grid in ((mm.pixel_values, mm.image_grid_thw), (mm.pixel_values_videos, mm.video_grid_thw)):
+                if pix is None or grid is None:
+                    continue
+                offset = 0
+                for row in grid:
+                    n = int(row.prod())
+                    idx.append(len(items))
+                    items.append((pix[offset:offset + n], row.view(1, 3) if row[0] == 1 else flatten_video_grid(row.view(1, 3))))
+                    offset += n
+            pending.append((mm, idx))
+        if not items:
+            return
+        embs = self._encode_items(items)
+        for mm, idx in pending:
+            parts_img = [embs[i] for i in idx[: 0 if mm.image_grid_thw is None else len(mm.image_grid_thw)]]
+            parts_vid = [embs[i] for i in idx[len(parts_img):]]
+            img = torch.cat(parts_img) if parts_img else None
+            vid = torch.cat(parts_vid) if parts_vid else None
+            positions, rows = [], []
+            if img is not None:
+                positions.append(mm.image_positions)
+                rows.append(img)
+            if vid is not None:
+                positions.append(mm.video_positions)
+                rows.append(vid)
+            pos = torch.cat(positions)
+            emb = torch.cat(rows)
+            if pos.numel() != emb.shape[0]:
+                raise ValueError(f"{pos.numel()} placeholder tokens but {emb.shape[0]} vision embeddings; "
+                                 "the prompt's <|image|> count must match the media grids")
+            order = torch.argsort(pos)
+            mm.positions, mm.embeds = pos[order], emb[order]
+
+    # ------------------------------------------------------------------ step
+    def prepare(self, sched: SchedulerOutput) -> tuple[ForwardBatch, list[int]]:
+        ids, pos, seqs, logit_rows, sample_idx = [], [], [], [], []
+        mm_rows, mm_embeds = [], []
+        start = 0
+        self.encode_multimodal([c.seq for c in sched.chunks])
+        for ci, c in enumerate(sched.chunks):
+            s = c.seq
+            lo, hi = s.num_computed_tokens, s.num_computed_tokens + c.num_tokens
+            ids.extend(s.tokens(lo, hi))
+            pos.extend(range(lo, hi))
+            seqs.append(SeqChunk(start=start, num_tokens=c.num_tokens, context_len=lo,
+                                 block_table=torch.tensor(s.block_table, dtype=torch.long, device=self.device),
+                                 state_slot=s.state_slot))
+            if s.mm is not None and s.mm.positions is not None:
+                sel = (s.mm.positions >= lo) & (s.mm.positions < hi)
+                if sel.any():
+                    mm_rows.append(s.mm.positions[sel] - lo + start)
+                    mm_embeds.append(s.mm.embeds[sel])
+            if c.samples:
+                logit_rows.append(start + c.num_tokens - 1)
+                sample_idx.append(ci)
+            start += c.num_tokens
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(pos, dtype=torch.long, device=self.device),
+            seqs=seqs,
+            logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=self.device),
+            mm_embeds=torch.cat(mm_embeds).to(self.device) if mm_embeds else None,
+            mm_rows=torch.cat(mm_rows).to(self.device) if mm_rows else None,
+        )
+        return batch, sample_idx
+
+    def execute(self, sched: SchedulerOutput) -> tuple[ModelOutput, list[int]]:
+        batch, sample_idx = self.prepare(sched)
+        return self.model.forward(batch, self.cache), sample_idx

@@ -1,0 +1,63 @@
+"""What the engine hands back: per-request output deltas, prompt inputs, engine statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from glm5.engine.sequence import RequestMetrics
+
+
+@dataclass
+class PromptInput:
+    """One request's prompt: exactly one of ``text``, ``token_ids``, ``messages``, plus optional media."""
+
+    text: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    images: list[bytes] = field(default_factory=list)
+    videos: list[bytes] = field(default_factory=list)
+    mm_inputs: dict[str, Any] | None = None  # preprocessed by the Triton `preprocess` model
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    text: str                      # new text since the previous output
+    token_ids: list[int]           # new token ids since the previous output
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    logprobs: list[dict] | None = None
+    prompt_text: str | None = None
+    metrics: RequestMetrics | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    preempted_total: int
+    aborted_total: int
+    finished_total: int
+    cache_usage: float          # fraction of cache blocks in use
+    free_state_slots: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    encoder_cache_hits: int = 0
+    vision_calls: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    """Offline result of :meth:`LLMEngine.generate`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[dict] | None = None
+    metrics: RequestMetrics | None = None

@@ -1,0 +1,87 @@
+"""A request inside the engine: its tokens, cache ownership, sampling state and timing."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from glm5.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class MultiModalData:
+    """Vision inputs of one request and where their embeddings go in the prompt."""
+
+    pixel_values: torch.Tensor | None = None        # images, [N, C·t·p·p]
+    image_grid_thw: torch.Tensor | None = None      # [n_img, 3]
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+    image_positions: torch.Tensor | None = None     # prompt positions of image placeholders
+    video_positions: torch.Tensor | None = None
+    embeds: torch.Tensor | None = None              # filled by the runner: [M, H], rows in ``positions`` order
+    positions: torch.Tensor | None = None           # all placeholder positions, sorted
+    content_hash: str | None = None
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_order: int
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    mm: MultiModalData | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
+    # per-output-token logprob records (when params.logprobs is set)
+    logprobs: list[dict] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED

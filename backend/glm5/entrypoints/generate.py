@@ -1,0 +1,157 @@
+"""``glm5 generate``: offline generation from the command line (and ``glm5.generate`` for notebooks).
+
+The last stdout line with ``--json`` is one JSON object (``token_ids``, ``text``, ``finish_reason``,
+…; a list of such objects under ``outputs`` when several prompts are given), which scripted checks
+parse. ``--stream`` prints text as it arrives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from glm5.engine import EngineArgs, LLMEngine, PromptInput
+from glm5.sampling_params import SamplingParams
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", nargs="?", help="prompt text (raw, or a user message with --chat)")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the tiny checkpoint, created "
+                   "on first use under ~/.cache/glm5/tiny)")
+    p.add_argument("--prompt-ids", default=None, help="comma-separated prompt token ids instead of text")
+    p.add_argument("--prompts-file", default=None, help="file with one prompt per line (JSON lines with "
+                   "'prompt' / 'prompt_ids' / 'messages' also accepted)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+    p.add_argument("--system", default=None, help="system message for --chat")
+    p.add_argument("--image", action="append", default=[], help="image file (repeatable; implies --chat)")
+    p.add_argument("--video", action="append", default=[], help="video file (repeatable; implies --chat)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--logprobs", type=int, default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--num-cache-blocks", type=int, default=None)
+    p.add_argument("--num-speculative-tokens", type=int, default=0)
+    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def default_model_dir() -> Path:
+    """The tiny checkpoint, created once under the user cache (deterministic, seconds on CPU)."""
+    from glm5.tiny_checkpoint import make_tiny_checkpoint
+
+    d = Path.home() / ".cache" / "glm5" / "tiny"
+    if not (d / "config.json").is_file():
+        make_tiny_checkpoint(d)
+    return d
+
+
+def _prompts(args: argparse.Namespace) -> list[PromptInput]:
+    media = {"images": [Path(f).read_bytes() for f in args.image], "videos": [Path(f).read_bytes() for f in args.video]}
+
+    def chat(text: str) -> PromptInput:
+        parts = [{"type": "image"} for _ in args.image] + [{"type": "video"} for _ in args.video]
+        content = parts + [{"type": "text", "text": text}] if parts else text
+        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": content}]
+        return PromptInput(messages=msgs, **media)
+
+    use_chat = args.chat or bool(args.image or args.video)
+    if args.prompt_ids:
+        return [PromptInput(token_ids=[int(t) for t in args.prompt_ids.split(",") if t.strip()])]
+    if args.prompts_file:
+        out = []
+        for line in Path(args.prompts_file).read_text().splitlines():
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                d = json.loads(line)
+                if "prompt_ids" in d:
+                    out.append(PromptInput(token_ids=list(d["prompt_ids"])))
+                elif "messages" in d:
+                    out.append(PromptInput(messages=d["messages"]))
+                else:
+                    out.append(chat(d["prompt"]) if use_chat else PromptInput(text=d["prompt"]))
+            else:
+                out.append(chat(line) if use_chat else PromptInput(text=line))
+        return out
+    if args.prompt is None:
+        raise SystemExit("glm5 generate: give a prompt, --prompt-ids or --prompts-file")
+    return [chat(args.prompt) if use_chat else PromptInput(text=args.prompt)]
+
+
+def _params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          seed=args.seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+                          stop=args.stop, ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          logprobs=args.logprobs)
+
+
+def run(args: argparse.Namespace) -> int:
+    model = args.model or str(default_model_dir())
+    engine = LLMEngine(EngineArgs(model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  block_size=args.block_size, num_cache_blocks=args.num_cache_blocks,
+                                  num_speculative_tokens=args.num_speculative_tokens))
+    prompts, params = _prompts(args), _params(args)
+    t0 = time.time()
+    results: dict[str, dict] = {}
+    order = []
+    for i, p in enumerate(prompts):
+        rid = f"cli-{i}"
+        engine.add_request(rid, p, params)
+        order.append(rid)
+        results[rid] = {"token_ids": [], "text": "", "finish_reason": None}
+    while engine.has_unfinished():
+        for out in engine.step():
+            r = results[out.request_id]
+            r["token_ids"].extend(out.token_ids)
+            r["text"] += out.text
+            if out.logprobs:
+                r.setdefault("logprobs", []).extend(out.logprobs)
+            if args.stream and len(prompts) == 1 and out.text:
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+            if out.finished:
+                m = out.metrics
+                r.update(finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
+                         num_output_tokens=out.num_output_tokens,
+                         ttft_s=None if m is None or m.ttft is None else round(m.ttft, 6))
+    elapsed = time.time() - t0
+    if args.stream and len(prompts) == 1:
+        sys.stdout.write("\n")
+    outs = [results[r] for r in order]
+    n_tok = sum(len(o["token_ids"]) for o in outs)
+    if args.json:
+        summary = dict(outs[0]) if len(outs) == 1 else {"outputs": outs}
+        summary.update(elapsed_s=round(elapsed, 4), output_tokens_per_s=round(n_tok / max(elapsed, 1e-9), 2))
+        print(json.dumps(summary))
+    elif not args.stream:
+        for o in outs:
+            print(o["text"] if o["text"] else o["token_ids"])
+    return 0
+
+
+def generate(prompts: list[str | list[int] | PromptInput], params: SamplingParams | None = None,
+             model: str | None = None, **engine_kwargs) -> list:
+    """Notebook API: ``glm5.generate(["Hello"], SamplingParams(max_tokens=8))`` → list of CompletionOutput."""
+    engine = LLMEngine(EngineArgs(model=model or str(default_model_dir()), **engine_kwargs))
+    return engine.generate(prompts, params)
