@@ -1,0 +1,57 @@
+"""Errors raised while validating and preprocessing request media.
+
+Every error is a ``ValueError`` (a bad request, not a server fault), so the serving layer can map the
+whole family to one client-error status. Messages name the offending value and, for caps, the cap's
+field name in :class:`~glm5.multimodal.caps.MediaCaps` and its limit, so an operator knows which knob
+to turn and a client knows what to shrink.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MediaError",
+    "MediaDecodeError",
+    "UnsupportedMediaError",
+    "EmptyMediaError",
+    "MediaCapExceededError",
+    "PlaceholderMismatchError",
+]
+
+
+class MediaError(ValueError):
+    """Base class: the request's image or video cannot be used."""
+
+
+class MediaDecodeError(MediaError):
+    """The bytes are not a decodable image/video (corrupt, truncated, random data)."""
+
+
+class UnsupportedMediaError(MediaError):
+    """Well-formed media in a format, container or codec that we deliberately do not accept."""
+
+
+class EmptyMediaError(MediaError):
+    """The media is empty: 0 bytes, a zero-sized image, or a video without decodable frames."""
+
+
+class MediaCapExceededError(MediaError):
+    """A hard cap was exceeded; raised before the memory the input asks for is allocated.
+
+    Attributes:
+        cap: the :class:`~glm5.multimodal.caps.MediaCaps` field that was exceeded.
+        value: the value the input asked for.
+        limit: the cap's value.
+    """
+
+    def __init__(self, what: str, *, cap: str, value: float, limit: float, hint: str = "") -> None:
+        self.cap = cap
+        self.value = value
+        self.limit = limit
+        message = f"{what}: {value:g} exceeds the cap {cap}={limit:g}"
+        if hint:
+            message += f"; {hint}"
+        super().__init__(message)
+
+
+class PlaceholderMismatchError(MediaError):
+    """The prompt's ``<|image|>``/``<|video|>`` placeholders do not match the media passed."""
