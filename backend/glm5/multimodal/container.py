@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 
-from .errors import MediaDecodeError, UnsupportedMediaError
+from .errors import EmptyMediaError, MediaDecodeError, UnsupportedMediaError
 
 __all__ = ["VideoStreamInfo", "probe_container", "SUPPORTED_CODECS"]
 
@@ -94,8 +94,12 @@ def _iter_boxes(data: bytes, start: int, end: int):
             header = 16
         elif size == 0:
             size = end - pos
-        if size < header or pos + size > end:
+        if size < header:
             raise MediaDecodeError(f"malformed MP4 box {kind!r} (size {size} at offset {pos})")
+        if pos + size > end:
+            raise MediaDecodeError(
+                f"truncated MP4/MOV: box {kind!r} at offset {pos} claims {size} bytes but only {end - pos} remain"
+            )
         yield kind, pos + header, pos + size
         pos += size
 
@@ -127,6 +131,12 @@ def _probe_iso_bmff(data: bytes) -> list[tuple[object, int, int, str | None]]:
         stsd = _child(data, *stbl, b"stsd") if stbl else None
         if stsd is None or stsd[1] - stsd[0] < 8:
             raise MediaDecodeError("MP4/MOV video track without a sample description")
+        stsz = _child(data, *stbl, b"stsz")
+        fragmented = _child(data, 0, len(data), b"moof") is not None
+        if stsz is not None and stsz[1] - stsz[0] >= 12 and not fragmented:
+            (sample_count,) = struct.unpack_from(">I", data, stsz[0] + 8)
+            if sample_count == 0:
+                raise EmptyMediaError("video has no decodable frames (its MP4/MOV track holds 0 samples)")
         # full box header (4) + entry count (4), then sample entries (boxes) with the visual fields
         # width/height at offsets 24/26 of the entry payload.
         for fourcc, e_start, e_end in _iter_boxes(data, stsd[0] + 8, stsd[1]):
@@ -211,6 +221,8 @@ def _probe_matroska(data: bytes) -> list[tuple[object, int, int, str | None]]:
                                 height = _uint(data, v_start, v_end)
                 if track_type == 1:
                     streams.append((codec_id, width, height, _MKV_CODECS.get(codec_id)))
+            if streams and not any(i == _CLUSTER for i, _, _ in _iter_elements(data, c_end, s_end)):
+                raise EmptyMediaError("video has no decodable frames (the Matroska file has no Cluster)")
             return streams
         break
     return streams

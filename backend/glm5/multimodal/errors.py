@@ -47,7 +47,7 @@ class MediaCapExceededError(MediaError):
         self.cap = cap
         self.value = value
         self.limit = limit
-        message = f"{what}: {value:g} exceeds the cap {cap}={limit:g}"
+        message = f"{what}: {_number(value)} exceeds the cap {cap}={_number(limit)}"
         if hint:
             message += f"; {hint}"
         super().__init__(message)
@@ -55,3 +55,10 @@ class MediaCapExceededError(MediaError):
 
 class PlaceholderMismatchError(MediaError):
     """The prompt's ``<|image|>``/``<|video|>`` placeholders do not match the media passed."""
+
+
+def _number(value: float) -> str:
+    """Readable numbers in messages: ``400,000,000`` rather than ``4e+08``."""
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return f"{int(value):,}"
+    return f"{value:.6g}"

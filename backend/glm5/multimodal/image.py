@@ -91,11 +91,16 @@ def probe_image(data: bytes, caps: MediaCaps, settings: ProcessorSettings | None
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data), formats=SUPPORTED_IMAGE_FORMATS)
     except Image.DecompressionBombError as exc:
+        size = _sniff_size(data)
+        what = f"decoded image pixel count ({size[0]}x{size[1]})" if size else "decoded image pixel count"
         raise MediaCapExceededError(
-            f"decoded image pixel count (pillow refused it: {exc})", cap="max_image_pixels",
-            value=float("nan"), limit=caps.max_image_pixels,
+            what, cap="max_image_pixels", value=size[0] * size[1] if size else float("inf"),
+            limit=caps.max_image_pixels, hint="downscale the image before sending it",
         ) from exc
     except Image.UnidentifiedImageError as exc:
+        size = _sniff_size(data)
+        if size is not None and 0 in size:
+            raise EmptyMediaError(f"image has a zero dimension ({size[0]}x{size[1]} pixels)") from exc
         raise MediaDecodeError(
             f"not a decodable image in a supported format ({', '.join(SUPPORTED_IMAGE_FORMATS)}): {exc}"
         ) from exc
@@ -169,6 +174,18 @@ def preprocess_image(data: bytes, caps: MediaCaps | None = None, settings: Proce
             limit=caps.max_visual_tokens,
         )
     return decode_probed_image(probe, settings)
+
+
+def _sniff_size(data: bytes) -> tuple[int, int] | None:
+    """``(width, height)`` from a PNG/GIF/BMP header, for precise messages where pillow gives up."""
+    if data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) >= 24 and data[12:16] == b"IHDR":
+        return struct.unpack(">II", data[16:24])
+    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
+        return struct.unpack("<HH", data[6:10])
+    if data[:2] == b"BM" and len(data) >= 26:
+        width, height = struct.unpack("<ii", data[18:26])
+        return abs(width), abs(height)
+    return None
 
 
 def _exif_orientation(image: Image.Image) -> int:
