@@ -21,6 +21,7 @@ class SeqChunk:
     context_len: int        # tokens already cached before this step = position of the first row
     block_table: torch.Tensor  # int64 [num_blocks_of_request] on the model device
     state_slot: int         # KDA state / kpool tail slot
+    record_states: bool = False  # speculative verification: keep per-row states for rollback
 
     @property
     def end(self) -> int:
@@ -41,7 +42,10 @@ class ForwardBatch:
     # multimodal: rows of ``input_ids`` replaced by vision embeddings
     mm_embeds: torch.Tensor | None = None      # [M, H]
     mm_rows: torch.Tensor | None = None        # int64 [M]
-    extra: dict = field(default_factory=dict)
+    # per-row states of recording chunks, keyed (layer, state_slot); see SpecRecords
+    records: dict = field(default_factory=dict)
+    # index sharing across MTP draft steps: state_slot -> chosen pools of the first step, per MLA layer
+    shared_pools: dict | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,8 @@ This is the exact mode (keys in the model dtype, fp32 scores); it selects what t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +24,23 @@ from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import TextConfig
 from glm5.model.batch import SeqChunk
 from glm5.model.norms import layer_norm
+
+
+@dataclass
+class TailRecord:
+    """The tail before a recording chunk plus its raw rows: rebuilds the tail for ``v`` accepted rows."""
+
+    indexer: "KPoolIndexer"
+    old_tail: torch.Tensor   # [context_len % kpool, 2d]
+    raw: torch.Tensor        # [n, 2d]
+    context_len: int
+
+    def restore(self, tail: torch.Tensor, valid_rows: int) -> None:
+        kp = self.indexer.kpool
+        span = torch.cat([self.old_tail, self.raw[:valid_rows]], dim=0)
+        n_complete = (self.context_len + valid_rows) // kp - self.context_len // kp
+        rest = span[n_complete * kp:]
+        tail[: rest.shape[0]] = rest.to(tail.dtype)
 
 
 class KPoolIndexer:
@@ -49,10 +68,20 @@ class KPoolIndexer:
         probs = torch.softmax(g.float() + self.ape, dim=1).to(k.dtype)
         return (probs * k).sum(dim=1)
 
-    def write(self, raw: torch.Tensor, seq: SeqChunk, cache: HybridCache, layer: int) -> None:
-        """Complete the pools this chunk finishes and keep the unfinished remainder in the tail."""
+    def write(self, raw: torch.Tensor, seq: SeqChunk, cache: HybridCache, layer: int,
+              records: dict | None = None) -> None:
+        """Complete the pools this chunk finishes and keep the unfinished remainder in the tail.
+
+        Pools completed by rows that a speculative verification later rejects are harmless: a pool
+        is read only by queries at or after its last token, and that position is written again
+        (same slot) before any such query runs. The tail is not: a rejected row in the next pool
+        overwrites tail rows of the current one, so recording chunks keep the old tail
+        (:class:`TailRecord`) for :meth:`TailRecord.restore`."""
         kp = self.kpool
         tail = cache.tail[layer][seq.state_slot]
+        if seq.record_states and records is not None:
+            records[(layer, seq.state_slot)] = TailRecord(self, tail[: seq.context_len % kp].clone(), raw,
+                                                          seq.context_len)
         first_pool, end_pool = seq.context_len // kp, seq.total_len // kp
         span = torch.cat([tail[: seq.context_len % kp], raw], dim=0)  # starts at position first_pool*kp
         n_complete = end_pool - first_pool
@@ -64,8 +93,12 @@ class KPoolIndexer:
         tail[: rest.shape[0]] = rest.to(tail.dtype)
 
     def visible(self, x: torch.Tensor, q_resid: torch.Tensor, seq: SeqChunk, cache: HybridCache,
-                layer: int) -> torch.Tensor:
-        """Boolean ``[n, total_len]``: which cached tokens each of this request's queries attends to."""
+                layer: int, shared_pools: dict | None = None) -> torch.Tensor:
+        """Boolean ``[n, total_len]``: which cached tokens each of this request's queries attends to.
+
+        ``shared_pools`` (MTP draft steps with ``index_share_for_mtp_iteration``): the first draft
+        step stores its chosen pools there, later steps reuse them instead of scoring again (their
+        own tail is still appended)."""
         kp, device = self.kpool, x.device
         pos = torch.arange(seq.context_len, seq.total_len, device=device)
         n_complete = torch.div(pos + 1, kp, rounding_mode="floor")  # complete pools visible per query
@@ -74,15 +107,24 @@ class KPoolIndexer:
         if int(n_complete.max()) <= self.n_select:
             return causal  # every visible pool is selected: dense causal attention
         n_pools = int(n_complete.max())
-        pooled = cache.pool_keys[layer][cache.pool_slots(seq.block_table, torch.arange(n_pools, device=device))]
-        q = F.linear(q_resid, self.wq_b).view(-1, self.n_heads, self.head_dim)
-        scores = F.relu(torch.matmul(q.float(), pooled.float().t()) * self.head_dim ** -0.5)  # [n, h, P]
-        w = F.linear(x.to(self.w_heads.dtype), self.w_heads).float() * self.n_heads ** -0.5
-        index_scores = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)  # [n, P]
         candidate = torch.arange(n_pools, device=device)[None, :] < n_complete[:, None]
-        index_scores = index_scores.masked_fill(~candidate, torch.finfo(index_scores.dtype).min)
-        top = index_scores.topk(min(self.n_select, n_pools), dim=-1).indices
-        chosen = torch.zeros_like(candidate).scatter_(1, top, True) & candidate  # [n, P]
+        key = (layer, seq.state_slot)
+        if shared_pools is not None and key in shared_pools:
+            first = shared_pools[key][-1]
+            chosen = torch.zeros_like(candidate)
+            chosen[:, : first.shape[0]] = first
+            chosen &= candidate
+        else:
+            pooled = cache.pool_keys[layer][cache.pool_slots(seq.block_table, torch.arange(n_pools, device=device))]
+            q = F.linear(q_resid, self.wq_b).view(-1, self.n_heads, self.head_dim)
+            scores = F.relu(torch.matmul(q.float(), pooled.float().t()) * self.head_dim ** -0.5)  # [n, h, P]
+            w = F.linear(x.to(self.w_heads.dtype), self.w_heads).float() * self.n_heads ** -0.5
+            index_scores = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)  # [n, P]
+            index_scores = index_scores.masked_fill(~candidate, torch.finfo(index_scores.dtype).min)
+            top = index_scores.topk(min(self.n_select, n_pools), dim=-1).indices
+            chosen = torch.zeros_like(candidate).scatter_(1, top, True) & candidate  # [n, P]
+            if shared_pools is not None:
+                shared_pools[key] = chosen
         token_chosen = torch.zeros(pos.shape[0], seq.total_len, dtype=torch.bool, device=device)
         pooled_tokens = chosen.repeat_interleave(kp, dim=1)
         token_chosen[:, : pooled_tokens.shape[1]] = pooled_tokens

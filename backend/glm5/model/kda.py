@@ -10,11 +10,14 @@ update the request's state slot, so a prompt can be split into chunks anywhere.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import TextConfig
+from glm5.model.backends import kda_backend
 from glm5.model.batch import ForwardBatch
 from glm5.model.norms import gated_rms_norm, l2_normalize
 
@@ -43,6 +46,32 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         state = state + k[t].unsqueeze(-1) * delta.unsqueeze(-2)
         out[t] = (state * q[t].unsqueeze(-1)).sum(dim=-2)
     return out, state
+
+
+def kda_recurrent_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kda_recurrent` that also returns the state after every token: ``[n, H, dk, dv]``."""
+    out = torch.empty_like(v)
+    states = []
+    for t in range(q.shape[0]):
+        o, state = kda_recurrent(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
+        out[t] = o[0]
+        states.append(state)
+    return out, torch.stack(states)
+
+
+@dataclass
+class KDARecord:
+    """What a recording (verification) chunk needs to roll a KDA layer back to ``v`` accepted rows:
+    conv state = ``conv_inputs[v : v + K - 1]``, recurrent state = ``states[v - 1]``."""
+
+    conv_inputs: torch.Tensor  # [K - 1 + n, 3D]: old conv state then this step's pre-conv inputs
+    states: torch.Tensor       # [n, H, dk, dv]
+
+    def restore(self, conv_state: torch.Tensor, rec_state: torch.Tensor, valid_rows: int) -> None:
+        k1 = conv_state.shape[0]
+        conv_state.copy_(self.conv_inputs[valid_rows:valid_rows + k1])
+        rec_state.copy_(self.states[valid_rows - 1])
 
 
 def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -109,21 +138,85 @@ class KDALayer:
         beta = torch.sigmoid(b).float()
         gate = F.linear(g_a, self.g_b)
         conv_state, rec_state = cache.conv[self.layer], cache.recurrent[self.layer]
-        core = torch.empty(x.shape[0], self.heads, self.head_dim, dtype=torch.float32, device=x.device)
+        if kda_backend(x.device) == "fla":
+            core = self._core_fla(mixed, g, beta, batch, conv_state, rec_state)
+        else:
+            core = self._core_torch(mixed, g, beta, batch, conv_state, rec_state)
+        y = gated_rms_norm(core.to(x.dtype), gate.view(-1, self.heads, self.head_dim), self.o_norm,
+                           self.cfg.rms_norm_eps)
+        return F.linear(y.reshape(x.shape[0], self.dim), self.o_proj)
+
+    # ------------------------------------------------------------------ conv + core recurrence
+    def _conv(self, mixed: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor) -> torch.Tensor:
+        """Depthwise causal conv + SiLU over every request's rows, updating its conv state; [T, 3D]."""
         kconv = self.conv_w.shape[-1]
+        if mixed.is_cuda and all(s.num_tokens == 1 for s in batch.seqs) and len(batch.seqs) == mixed.shape[0]:
+            # GPU decode: one vectorised step for the whole batch (rows are in request order); the CPU
+            # keeps the per-request conv1d below so its rounding stays that of the reference
+            slots = torch.tensor([s.state_slot for s in batch.seqs], device=mixed.device)
+            window = torch.cat([conv_state[slots].to(mixed.dtype), mixed.unsqueeze(1)], dim=1)  # [N, K, 3D]
+            conv_state[slots] = window[:, 1:].to(conv_state.dtype)
+            return F.silu((window * self.conv_w.t().to(mixed.dtype).unsqueeze(0)).sum(dim=1))
+        out = torch.empty_like(mixed)
         for s in batch.seqs:
             rows = slice(s.start, s.end)
             seq_in = torch.cat([conv_state[s.state_slot].to(mixed.dtype), mixed[rows]], dim=0)  # [K-1+n, 3D]
             conv_state[s.state_slot].copy_(seq_in[-(kconv - 1):])
-            conv = F.conv1d(seq_in.t().unsqueeze(0), self.conv_w.unsqueeze(1).to(seq_in.dtype),
-                            groups=seq_in.shape[1])[0].t()  # [n, 3D]
-            q, k, v = F.silu(conv).float().view(s.num_tokens, 3, self.heads, self.head_dim).unbind(1)
+            out[rows] = F.silu(F.conv1d(seq_in.t().unsqueeze(0), self.conv_w.unsqueeze(1).to(seq_in.dtype),
+                                        groups=seq_in.shape[1])[0].t())
+        return out
+
+    def _core_torch(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch,
+                    conv_state: torch.Tensor, rec_state: torch.Tensor) -> torch.Tensor:
+        """Reference path (CPU default): per request, recurrence for short runs, chunked WY form else."""
+        conv = self._conv(mixed, batch, conv_state)
+        core = torch.empty(mixed.shape[0], self.heads, self.head_dim, dtype=torch.float32, device=mixed.device)
+        for s in batch.seqs:
+            rows = slice(s.start, s.end)
+            q, k, v = conv[rows].float().view(s.num_tokens, 3, self.heads, self.head_dim).unbind(1)
             q = l2_normalize(q) * self.head_dim ** -0.5
             k = l2_normalize(k)
             fn = kda_recurrent if s.num_tokens <= RECURRENT_MAX_TOKENS else kda_chunked
             out, new_state = fn(q, k, v, g[rows], beta[rows], rec_state[s.state_slot])
             rec_state[s.state_slot].copy_(new_state)
             core[rows] = out
-        y = gated_rms_norm(core.to(x.dtype), gate.view(-1, self.heads, self.head_dim), self.o_norm,
-                           self.cfg.rms_norm_eps)
-        return F.linear(y.reshape(x.shape[0], self.dim), self.o_proj)
+        return core
+
+    def _core_fla(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch,
+                  conv_state: torch.Tensor, rec_state: torch.Tensor) -> torch.Tensor:
+        """fla-core path (CUDA): one varlen launch for the whole batch.
+
+        Decode / verification batches (every request ≤ ``RECURRENT_MAX_TOKENS`` rows) run
+        ``fused_recurrent_kda_fwd`` directly on the state-slot pool (gathered and updated in place
+        through ``ssm_state_indices``); prefill batches run ``chunk_kda`` from the gathered slots
+        and scatter the final states back. q/k are l2-normalised here (our eps) and the gate is
+        precomputed in fp32, so both paths compute exactly the reference's function.
+        """
+        from fla.ops.kda import chunk_kda
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+        conv = self._conv(mixed, batch, conv_state)
+        n_tok, dev = mixed.shape[0], mixed.device
+        q, k, v = conv.view(n_tok, 3, self.heads, self.head_dim).unbind(1)
+        dtype = mixed.dtype
+        q = l2_normalize(q.float()).to(dtype).unsqueeze(0)
+        k = l2_normalize(k.float()).to(dtype).unsqueeze(0)
+        v = v.contiguous().unsqueeze(0)
+        g4 = g.float().unsqueeze(0).contiguous()
+        b3 = beta.float().unsqueeze(0).contiguous()
+        lens = [s.num_tokens for s in batch.seqs]
+        cu = torch.tensor([0] + lens, device=dev).cumsum(0)
+        slots = [s.state_slot for s in batch.seqs]
+        scale = self.head_dim ** -0.5
+        if max(lens) <= RECURRENT_MAX_TOKENS:
+            # every step of a request writes its (single) slot: [N, T_max] indices all equal to the slot
+            idx = torch.tensor(slots, device=dev, dtype=torch.int32).unsqueeze(1).expand(-1, max(lens)).contiguous()
+            out, _ = fused_recurrent_kda_fwd(q, k, v, g4, b3, initial_state=rec_state, scale=scale,
+                                             inplace_final_state=True, cu_seqlens=cu, ssm_state_indices=idx,
+                                             out=torch.empty_like(v, dtype=dtype))
+        else:
+            slot_t = torch.tensor(slots, device=dev)
+            out, final = chunk_kda(q, k, v, g4, b3, scale=scale, initial_state=rec_state[slot_t].contiguous(),
+                                   output_final_state=True, cu_seqlens=cu)
+            rec_state[slot_t] = final.to(rec_state.dtype)
+        return out[0].float()

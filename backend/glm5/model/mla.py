@@ -51,8 +51,9 @@ class MLALayer:
         for s in batch.seqs:
             rows = slice(s.start, s.end)
             lat_cache[cache.token_slots(s.block_table, batch.positions[rows])] = latent[rows].to(lat_cache.dtype)
-            self.indexer.write(raw_index[rows], s, cache, self.layer)
-            visible = self.indexer.visible(x[rows], q_resid[rows], s, cache, self.layer)  # [n, L]
+            self.indexer.write(raw_index[rows], s, cache, self.layer, batch.records)
+            visible = self.indexer.visible(x[rows], q_resid[rows], s, cache, self.layer,
+                                           batch.shared_pools)  # [n, L]
             keys_used = visible.any(0).nonzero().squeeze(1)
             ctx = lat_cache[cache.token_slots(s.block_table, keys_used)].to(x.dtype)  # [L', r]
             mask = visible[:, keys_used]
