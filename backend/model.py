@@ -325,7 +325,7 @@ class TritonPythonModel:
 
     def _load_error_types(self) -> None:
         """Exception types that mean "bad request" (INVALID_ARG) rather than a server fault."""
-        types: list[type] = [self._rq.RequestError, ValueError, TypeError]
+        types: list[type] = [self._rq.RequestError, ValueError]
         try:
             from glm5.sampling_params import SamplingParamsError
 

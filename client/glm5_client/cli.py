@@ -105,6 +105,10 @@ def _main_generate(argv: list[str]) -> int:
                                   stream=bool(args.stream), return_logprobs=bool(args.logprobs),
                                   request_id=args.request_id)
     prompt = args.prompt
+    # Media need placeholders in the prompt; unless the user wrote them into a raw prompt, send a
+    # chat message (the chat template inserts one placeholder per image/video part).
+    if (images or videos) and "<|image|>" not in prompt and "<|video|>" not in prompt:
+        args.chat = True
     if args.chat:
         parts: list[dict[str, Any]] = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos]
         parts.append({"type": "text", "text": args.prompt})

@@ -558,8 +558,8 @@ def run(args: argparse.Namespace) -> int:
     http_host = args.http_address or args.host
     grpc_host = args.grpc_address or args.host
     print(json.dumps({"model": model, "grpc": f"{grpc_host}:{srv.grpc_port}",
-                      "http": f"http://{http_host}:{srv.http_port}",
-                      "metrics": srv.metrics_url}, indent=None), flush=True)
+                      "http": f"http://{http_host}:{srv.http_port}", "metrics": srv.metrics_url,
+                      "pid": srv.proc.pid if srv.proc else None}), flush=True)
     print(f"glm5 serving: gRPC {grpc_host}:{srv.grpc_port}  HTTP http://{http_host}:{srv.http_port}  "
           f"metrics {srv.metrics_url}  (Ctrl-C stops)", flush=True)
     try:

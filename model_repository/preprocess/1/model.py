@@ -38,7 +38,7 @@ class TritonPythonModel:
         cfg = json.loads(args["model_config"])
         params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
         _extend_sys_path(params.get("python_path"))
-        from glm5.multimodal import MediaError, MultiModalProcessor
+        from glm5.multimodal import MediaCaps, MediaError, MultiModalProcessor
         from glm5.serving import request as rq
 
         model_dir = params.get("model") or ""
@@ -47,14 +47,14 @@ class TritonPythonModel:
                 "preprocess needs parameters { key: \"model\" value: { string_value: \"/path/to/checkpoint\" } }")
         from glm5.tokenizer import load_tokenizer, render_chat
 
-        caps = json.loads(params["media_caps"]) if params.get("media_caps") else None
+        caps = MediaCaps.from_dict(json.loads(params["media_caps"])) if params.get("media_caps") else None
         self._rq = rq
         self._render_chat = render_chat
         self._bad = (rq.RequestError, MediaError, ValueError)
         # Same tokenizer and processor (and the same calls) as the engine's in-process path, so
         # the ensemble and the direct glm5 model feed identical token ids and pixels to the model.
         self.tokenizer = load_tokenizer(model_dir)
-        self.processor = MultiModalProcessor.from_pretrained(model_dir, caps=caps)
+        self.processor = MultiModalProcessor.from_checkpoint(model_dir, caps=caps, tokenizer=self.tokenizer)
 
     def _media(self, request: object, name: str) -> list[bytes]:
         t = pb_utils.get_input_tensor_by_name(request, name)

@@ -1,0 +1,125 @@
+"""Unit tests of the backend's request parsing (glm5.serving.request) and repository preparation
+(glm5.serving.launcher), without a server."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from glm5.serving import launcher
+from glm5.serving.request import (RequestError, StopRegistry, check_finite_numbers, decode_media_item,
+                                  output_flags, parse_json_object, parse_messages, request_parameters)
+
+
+def test_media_raw_bytes_pass_through_and_base64_is_decoded():
+    jpeg = b"\xff\xd8\xff\xe0" + os.urandom(64)
+    assert decode_media_item(jpeg, name="image", index=0) == jpeg
+    assert decode_media_item(base64.b64encode(jpeg).decode(), name="image", index=0) == jpeg
+    assert decode_media_item(base64.urlsafe_b64encode(jpeg), name="image", index=0) == jpeg
+    wrapped = b"\n".join(base64.encodebytes(jpeg).splitlines())
+    assert decode_media_item(wrapped, name="image", index=0) == jpeg
+
+
+def test_media_errors_name_the_item():
+    with pytest.raises(RequestError, match=r"video\[2\] is empty"):
+        decode_media_item(b"", name="video", index=2)
+    with pytest.raises(RequestError, match=r"image\[0\] is a data URL"):
+        decode_media_item(b"data:image/png,abc", name="image", index=0)
+
+
+def test_json_object_inputs():
+    assert parse_json_object(None, name="sampling_parameters") == {}
+    assert parse_json_object(b'{"max_tokens": "4"}', name="sampling_parameters") == {"max_tokens": "4"}
+    with pytest.raises(RequestError, match="sampling_parameters is not valid JSON"):
+        parse_json_object("{max_tokens: 4}", name="sampling_parameters")
+    with pytest.raises(RequestError, match="must be a JSON object"):
+        parse_json_object("[1, 2]", name="sampling_parameters")
+
+
+def test_request_parameters_drop_reserved_and_triton_keys():
+    params = json.dumps({"max_tokens": 5, "priority": 1, "triton_enable_empty_final_response": True, "top_p": 0.5})
+    assert request_parameters(params) == {"max_tokens": 5, "top_p": 0.5}
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), "NaN", "-inf"])
+def test_non_finite_numbers_rejected(value):
+    with pytest.raises(RequestError, match="temperature.*not a finite number"):
+        check_finite_numbers({"temperature": value})
+
+
+def test_finite_numbers_and_strings_accepted():
+    check_finite_numbers({"temperature": 0.5, "stop": "end", "max_tokens": "8"})
+
+
+def test_messages_validation():
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
+    assert parse_messages(json.dumps(msgs)) == msgs
+    assert parse_messages(None) is None
+    with pytest.raises(RequestError, match=r"messages\[0\] must be an object with 'role' and 'content'"):
+        parse_messages('[{"role": "user"}]')
+    with pytest.raises(RequestError, match=r"content\[0\] must be a part of type text, image or video"):
+        parse_messages('[{"role": "user", "content": [{"type": "audio"}]}]')
+
+
+def test_output_flags_follow_vllm_conventions():
+    assert output_flags(None, None).prepend_input is True            # non-streaming: prompt prepended
+    assert output_flags(True, None).prepend_input is False
+    assert output_flags(False, True).prepend_input is False
+    with pytest.raises(RequestError, match="exclude_input_in_output=false is not supported with stream=true"):
+        output_flags(True, False)
+    assert output_flags(True, None, return_logprobs=True).return_logprobs is True
+
+
+def test_stop_registry_tracks_engine_ids_per_client_id():
+    reg = StopRegistry()
+    reg.add("job", "job-a")
+    reg.add("job", "job-b")
+    reg.add("", "anon")                 # requests without an id cannot be stopped by id
+    assert reg.lookup("job") == {"job-a", "job-b"}
+    reg.remove("job", "job-a")
+    assert reg.lookup("job") == {"job-b"}
+    reg.remove("job", "job-b")
+    assert reg.lookup("job") == set() and reg.active == {}
+
+
+def test_set_config_parameter_replaces_or_appends():
+    text = 'backend: "glm5"\nparameters { key: "model" value: { string_value: "" } }\n'
+    out = launcher.set_config_parameter(text, "model", '/ckpt/with "quote"')
+    assert 'key: "model" value: { string_value: "/ckpt/with \\"quote\\"" }' in out
+    out = launcher.set_config_parameter(out, "seed", "7")
+    assert out.count('key: "seed"') == 1 and 'string_value: "7"' in out
+
+
+def test_prepare_model_repository_fills_model_and_python_path(tmp_path: Path):
+    src = launcher.default_model_repository()
+    dest = launcher.prepare_model_repository(src, tmp_path / "repo", model_dir="/ckpt", python_path=["/a", "/b"],
+                                             engine_overrides={"max_num_seqs": "3"})
+    assert sorted(p.name for p in dest.iterdir()) == ["glm5", "glm5_multimodal", "preprocess"]
+    glm5_cfg = (dest / "glm5" / "config.pbtxt").read_text()
+    assert 'key: "model" value: { string_value: "/ckpt" }' in glm5_cfg
+    assert f'string_value: "/a{os.pathsep}/b"' in glm5_cfg
+    assert 'key: "max_num_seqs" value: { string_value: "3" }' in glm5_cfg
+    pre_cfg = (dest / "preprocess" / "config.pbtxt").read_text()
+    assert 'key: "model" value: { string_value: "/ckpt" }' in pre_cfg
+    assert "python_path" not in (dest / "glm5_multimodal" / "config.pbtxt").read_text()
+    for m in ("glm5", "preprocess", "glm5_multimodal"):
+        assert (dest / m / "1").is_dir()
+
+
+def test_backend_directory_layout(tmp_path: Path):
+    inst = launcher.locate_tritonserver("pytriton")
+    d = launcher.assemble_backend_dir(inst, tmp_path / "backends")
+    for f in ("python/libtriton_python.so", "python/triton_python_backend_utils.py",
+              "python/triton_python_backend_stub", "glm5/model.py"):
+        p = d / f
+        assert p.is_file() and not p.is_symlink(), f   # tritonserver rejects libraries outside the dir
+    assert (d / "glm5" / "model.py").read_text() == launcher.backend_model_py().read_text()
+
+
+def test_free_ports_are_distinct_and_bindable():
+    ports = {launcher.find_free_port() for _ in range(3)}
+    assert all(1024 < p < 65536 for p in ports)
