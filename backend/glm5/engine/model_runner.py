@@ -73,8 +73,15 @@ class ModelRunner:
             raise ValueError("this checkpoint has no vision tower (no vision_config / visual.* weights); "
                              "send text only")
         keys = [media_hash(p, g) for p, g in items]
-        out: list[torch.Tensor | None] = [self.encoder_cache.get(k) for k in keys]
-        todo = [i for i, o in enumerate(out) if o is None]
+        out: list[torch.Tensor | None] = [None] * len(items)
+        # The same image twice in one step (two requests, or one prompt repeating it) is encoded
+        # once: later copies wait for the first and count as cache hits.
+        first_of: dict[str, int] = {}
+        for i, k in enumerate(keys):
+            if k not in first_of:
+                first_of[k] = i
+                out[i] = self.encoder_cache.get(k)
+        todo = [i for k, i in first_of.items() if out[i] is None]
         if todo:
             self.encoder_cache.misses += len(todo)
             pixels = torch.cat([items[i][0] for i in todo]).to(self.device)
@@ -86,6 +93,10 @@ class ModelRunner:
             for i, e in zip(todo, emb.split(sizes)):
                 self.encoder_cache.put(keys[i], e)
                 out[i] = e
+        for i, k in enumerate(keys):
+            if out[i] is None:
+                out[i] = out[first_of[k]]
+                self.encoder_cache.hits += 1
         return out  # type: ignore[return-value]
 
     def encode_multimodal(self, seqs: list[Sequence]) -> None:
