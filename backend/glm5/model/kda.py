@@ -130,6 +130,7 @@ class KDALayer:
         self.dt_bias = weights[f"{p}.dt_bias"]
         self.o_norm = weights[f"{p}.o_norm.weight"]
         self.o_proj = weights[f"{p}.o_proj.weight"]
+        self._conv_inputs: dict[int, torch.Tensor] = {}  # recording chunks' conv inputs, per state slot
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
         proj = F.linear(x, self.w_in)
@@ -148,9 +149,13 @@ class KDALayer:
 
     # ------------------------------------------------------------------ conv + core recurrence
     def _conv(self, mixed: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor) -> torch.Tensor:
-        """Depthwise causal conv + SiLU over every request's rows, updating its conv state; [T, 3D]."""
+        """Depthwise causal conv + SiLU over every request's rows, updating its conv state; [T, 3D].
+
+        Recording (verification) chunks leave their conv inputs in ``batch.records`` for rollback.
+        """
         kconv = self.conv_w.shape[-1]
-        if mixed.is_cuda and all(s.num_tokens == 1 for s in batch.seqs) and len(batch.seqs) == mixed.shape[0]:
+        if (mixed.is_cuda and len(batch.seqs) == mixed.shape[0]
+                and all(s.num_tokens == 1 and not s.record_states for s in batch.seqs)):
             # GPU decode: one vectorised step for the whole batch (rows are in request order); the CPU
             # keeps the per-request conv1d below so its rounding stays that of the reference
             slots = torch.tensor([s.state_slot for s in batch.seqs], device=mixed.device)
@@ -161,6 +166,8 @@ class KDALayer:
         for s in batch.seqs:
             rows = slice(s.start, s.end)
             seq_in = torch.cat([conv_state[s.state_slot].to(mixed.dtype), mixed[rows]], dim=0)  # [K-1+n, 3D]
+            if s.record_states:
+                self._conv_inputs[s.state_slot] = seq_in
             conv_state[s.state_slot].copy_(seq_in[-(kconv - 1):])
             out[rows] = F.silu(F.conv1d(seq_in.t().unsqueeze(0), self.conv_w.unsqueeze(1).to(seq_in.dtype),
                                         groups=seq_in.shape[1])[0].t())
@@ -176,8 +183,13 @@ class KDALayer:
             q, k, v = conv[rows].float().view(s.num_tokens, 3, self.heads, self.head_dim).unbind(1)
             q = l2_normalize(q) * self.head_dim ** -0.5
             k = l2_normalize(k)
-            fn = kda_recurrent if s.num_tokens <= RECURRENT_MAX_TOKENS else kda_chunked
-            out, new_state = fn(q, k, v, g[rows], beta[rows], rec_state[s.state_slot])
+            if s.record_states:
+                out, states = kda_recurrent_states(q, k, v, g[rows], beta[rows], rec_state[s.state_slot])
+                batch.records[(self.layer, s.state_slot)] = KDARecord(self._conv_inputs.pop(s.state_slot), states)
+                new_state = states[-1]
+            else:
+                fn = kda_recurrent if s.num_tokens <= RECURRENT_MAX_TOKENS else kda_chunked
+                out, new_state = fn(q, k, v, g[rows], beta[rows], rec_state[s.state_slot])
             rec_state[s.state_slot].copy_(new_state)
             core[rows] = out
         return core
@@ -195,6 +207,11 @@ class KDALayer:
         from fla.ops.kda import chunk_kda
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
+        if any(s.record_states for s in batch.seqs):
+            # verification batches need every row's state for rollback; fla 0.6.0's in-place kernel
+            # cannot write per-row states outside the slot pool, so these (small) batches take the
+            # reference recurrence. Documented in backends.py; not a silent change of results.
+            return self._core_torch(mixed, g, beta, batch, conv_state, rec_state)
         conv = self._conv(mixed, batch, conv_state)
         n_tok, dev = mixed.shape[0], mixed.device
         q, k, v = conv.view(n_tok, 3, self.heads, self.head_dim).unbind(1)

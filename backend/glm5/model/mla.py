@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import TextConfig
+from glm5.model.backends import attn_backend
 from glm5.model.batch import ForwardBatch
 from glm5.model.indexer import KPoolIndexer
 from glm5.model.norms import rms_norm
@@ -59,6 +60,10 @@ class MLALayer:
             mask = visible[:, keys_used]
             if s.num_tokens <= ABSORB_MAX_TOKENS:
                 out[rows] = self._absorbed(q[rows], ctx, mask)
+            elif attn_backend(x.device) == "sdpa":
+                out[rows] = self._expanded_sdpa(q[rows], ctx, mask, dense_causal=(
+                    s.context_len == 0 and keys_used.numel() == s.num_tokens
+                    and int(mask.sum()) == s.num_tokens * (s.num_tokens + 1) // 2))  # visible ⊆ causal
             else:
                 out[rows] = self._expanded(q[rows], ctx, mask)
         return F.linear(out.reshape(x.shape[0], -1), self.o_proj)
@@ -73,6 +78,23 @@ class MLALayer:
         scores = torch.einsum("nhd,lhd->hnl", q, k) * self.scale
         probs = self._softmax(scores, mask, q.dtype)
         return torch.einsum("hnl,lhd->nhd", probs, v)
+
+    def _expanded_sdpa(self, q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor,
+                       dense_causal: bool) -> torch.Tensor:
+        """Same function as :meth:`_expanded` through PyTorch's fused attention (CUDA prefill).
+
+        A chunk whose selection is the full causal triangle runs the flash kernel (``is_causal``);
+        otherwise the boolean selection mask goes to the memory-efficient kernel, so the
+        ``[heads, n, L]`` score matrix is never materialised.
+        """
+        kv = F.linear(ctx, self.kv_b).view(-1, self.heads, self.d_qk + self.d_v)
+        k, v = (t.transpose(0, 1).unsqueeze(0) for t in kv.split([self.d_qk, self.d_v], dim=-1))
+        qh = q.transpose(0, 1).unsqueeze(0)
+        if dense_causal:
+            o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=self.scale)
+        else:
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask[None, None], scale=self.scale)
+        return o[0].transpose(0, 1)
 
     def _absorbed(self, q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         q_lat = torch.einsum("nhd,hdr->hnr", q, self.w_uk)

@@ -1,0 +1,345 @@
+"""Engine benchmark on one GPU at the real per-layer shapes of GLM-5.3-Flash with fewer layers.
+
+Bench config: model-spec §1.1 shapes (hidden 4096, 64 MLA heads over a 512 latent, 64×128 KDA,
+indexer 32×128 top-2048 kpool 4, 288 experts top-8 of 2048, mHC 4, vocab 154880) with 8 layers:
+KDA,KDA,KDA,MLA,KDA,KDA,KDA,MLA and dense×3 + MoE×5, on random bf16 weights made on the GPU
+(``glm5.weights.dummy_weights``).
+
+Measured in the same run: device-to-device copy bandwidth and bf16 matmul peak (the ceilings);
+decode step time at batch × context (the caches are filled with random values for the context
+instead of being prefilled: a decode step's work depends on the cache sizes, not their contents);
+the roofline time per decode step (bytes the step must move — non-routed weights, the routed
+experts actually touched by this step's routing, KDA state read+write, selected latent rows,
+pooled index keys scanned — over the measured copy bandwidth); prefill throughput and achieved
+TFLOP/s; and transformers' glm5_next decode at batch 1 on the same config (HF-initialised weights;
+its timing does not depend on weight values beyond routing).
+
+Usage: ``python bench/bench.py --out DIR [--quick]``; writes ``DIR/results.json`` (+ a PNG plot if
+matplotlib imports). ``python bench/bench.py --render results.json`` writes ``bench/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYER_TYPES = ["linear_attention"] * 3 + ["deepseek_sparse_attention"] + ["linear_attention"] * 3 + \
+    ["deepseek_sparse_attention"]
+MLP_TYPES = ["dense"] * 3 + ["sparse"] * 5
+
+
+def bench_config_dict() -> dict:
+    d = json.loads((ROOT / "tests" / "fixtures" / "glm5_3_flash_config.json").read_text())
+    t = d["text_config"]
+    t.update(num_hidden_layers=8, layer_types=LAYER_TYPES, mlp_layer_types=MLP_TYPES, num_nextn_predict_layers=0)
+    t["linear_attn_config"] = {**t["linear_attn_config"],
+                               "kda_layers": [i for i, k in enumerate(LAYER_TYPES) if k == "linear_attention"],
+                               "full_attn_layers": [i for i, k in enumerate(LAYER_TYPES) if k != "linear_attention"]}
+    for key in ("index_topk_pattern",):
+        t.pop(key, None)
+    return d
+
+
+def timed(fn, reps: int, warmup: int = 1) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def ceilings() -> dict:
+    n = 1 << 30  # 1 GiB per buffer (several times the 60 MB L2)
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    t = median(timed(lambda: b.copy_(a), 10, 3))
+    bw = 2 * n / t
+    del a, b
+    m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    m2 = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t = median(timed(lambda: m @ m2, 10, 3))
+    return {"copy_bw_Bps": bw, "matmul_bf16_flops": 2 * 8192 ** 3 / t}
+
+
+class Setup:
+    def __init__(self, max_batch: int, max_ctx: int):
+        from glm5.cache.hybrid_cache import CacheConfig, HybridCache
+        from glm5.config import ModelConfig
+        from glm5.model.glm5 import Glm5ForCausalLM
+        from glm5.weights import dummy_weights
+
+        self.cfg = ModelConfig.from_dict(bench_config_dict())
+        t = self.cfg.text
+        self.weights = dummy_weights(self.cfg, "cuda", torch.bfloat16, include_mtp=False)
+        self.model = Glm5ForCausalLM(self.cfg, self.weights)
+        self.bs = 64
+        self.blocks_per_req = (max_ctx + 2 * self.bs) // self.bs
+        nb = max_batch * self.blocks_per_req
+        self.cache = HybridCache(t, CacheConfig(block_size=self.bs, num_blocks=nb, num_state_slots=max_batch),
+                                 "cuda", torch.bfloat16)
+        for d in (self.cache.latent, self.cache.pool_keys):
+            for x in d.values():
+                x.normal_()
+        for x in self.cache.recurrent.values():
+            x.normal_(0, 0.02)
+        for x in self.cache.conv.values():
+            x.normal_()
+        self.routed = [n for n in self.weights if n.endswith(("experts.gate_proj", "experts.up_proj",
+                                                              "experts.down_proj"))]
+        self.expert_bytes = sum(self.weights[n][0].numel() * self.weights[n].element_size() for n in self.routed
+                                if n.startswith("layers.3."))
+        self.nonrouted_bytes = sum(w.numel() * w.element_size() for n, w in self.weights.items()
+                                   if n not in self.routed and n != "embed_tokens.weight")
+        self.touched: list[int] = []
+        from glm5.model import moe as moe_mod
+        orig = moe_mod.route
+
+        def recording_route(*a, **kw):
+            r = orig(*a, **kw)
+            self.touched.append(int(torch.unique(r.experts).numel()))
+            return r
+        moe_mod.route = recording_route
+        self._restore = lambda: setattr(moe_mod, "route", orig)
+
+    def close(self) -> None:
+        """Undo the routing hook and drop every GPU tensor (so the HF model fits afterwards)."""
+        self._restore()
+        self.model = self.weights = self.cache = None
+
+    def decode_batch(self, b: int, ctx: int):
+        from glm5.model.batch import ForwardBatch, SeqChunk
+        seqs = [SeqChunk(start=i, num_tokens=1, context_len=ctx,
+                         block_table=torch.arange(i * self.blocks_per_req, (i + 1) * self.blocks_per_req,
+                                                  device="cuda"), state_slot=i) for i in range(b)]
+        return ForwardBatch(input_ids=torch.randint(0, 150000, (b,), device="cuda"),
+                            positions=torch.full((b,), ctx, device="cuda"), seqs=seqs,
+                            logits_indices=torch.arange(b, device="cuda"))
+
+    def decode_bytes(self, b: int, ctx: int, touched: list[int]) -> dict:
+        t = self.cfg.text
+        kda_layers, mla_layers = len(t.kda_layer_ids), len(t.mla_layer_ids)
+        d = t.linear_num_heads * t.linear_head_dim
+        parts = {
+            "weights_nonrouted": self.nonrouted_bytes + b * t.hidden_size * 2,
+            "weights_routed": sum(touched) * self.expert_bytes,
+            "kda_state": kda_layers * b * (t.linear_num_heads * t.linear_head_dim ** 2 * 4 * 2
+                                           + (t.linear_conv_kernel_dim - 1) * 3 * d * 2 * 2),
+            "mla_latent": mla_layers * b * min(ctx + 1, t.index_topk + t.index_kpool - 1) * t.kv_lora_rank * 2,
+            "index_pool_keys": mla_layers * b * ((ctx + 1) // t.index_kpool) * t.index_head_dim * 2,
+        }
+        parts["total"] = sum(parts.values())
+        return parts
+
+    def prefill_flops(self, n: int) -> float:
+        t = self.cfg.text
+        act = self.nonrouted_bytes / 2 - t.vocab_size * t.hidden_size  # params touched per token except lm head
+        act += 5 * t.num_experts_per_tok * self.expert_bytes / 2
+        flops = 2 * act * n + 2 * t.vocab_size * t.hidden_size  # lm head on the last row only
+        sel = t.index_topk + t.index_kpool - 1
+        pairs = n * (n + 1) // 2 if n <= sel else sel * (sel + 1) // 2 + (n - sel) * sel
+        flops += 2 * t.num_attention_heads * (t.qk_head_dim + t.v_head_dim) * pairs * 2  # 2 MLA layers
+        flops += 2 * 2 * t.index_n_heads * t.index_head_dim * sum(
+            (i + 1) // t.index_kpool for i in range(0, n, 64)) * 64  # indexer scores (approx)
+        return float(flops)
+
+
+def run_decode(s: Setup, batches, ctxs, reps: int, log) -> list[dict]:
+    rows = []
+    for ctx in ctxs:
+        for b in batches:
+            try:
+                batch = s.decode_batch(b, ctx)
+                s.touched.clear()
+                s.model.forward(batch, s.cache)
+                torch.cuda.synchronize()
+                touched = list(s.touched)
+                times = timed(lambda: s.model.forward(batch, s.cache), reps, warmup=0)
+                step = median(times)
+                by = s.decode_bytes(b, ctx, touched)
+                row = {"batch": b, "ctx": ctx, "step_s": step, "steps": times, "tok_s": b / step,
+                       "experts_touched": touched, "bytes": by}
+            except Exception as e:  # record and continue: an OOM at one size must not hide the rest
+                row = {"batch": b, "ctx": ctx, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                torch.cuda.empty_cache()
+            log(row)
+            rows.append(row)
+    return rows
+
+
+def run_prefill(s: Setup, lengths, chunk: int, log) -> list[dict]:
+    from glm5.model.batch import ForwardBatch, SeqChunk
+    rows = []
+    for n in lengths:
+        try:
+            slot = 0
+            bt = torch.arange(0, s.blocks_per_req, device="cuda")
+
+            def go():
+                s.cache.reset_slot(slot)
+                for lo in range(0, n, chunk):
+                    m = min(chunk, n - lo)
+                    batch = ForwardBatch(input_ids=torch.randint(0, 150000, (m,), device="cuda"),
+                                         positions=torch.arange(lo, lo + m, device="cuda"),
+                                         seqs=[SeqChunk(0, m, lo, bt, slot)],
+                                         logits_indices=torch.tensor([m - 1], device="cuda"))
+                    s.model.forward(batch, s.cache)
+            times = timed(go, 2 if n <= 8192 else 1, warmup=1)
+            t = median(times)
+            fl = s.prefill_flops(n)
+            row = {"tokens": n, "chunk": chunk, "time_s": t, "tok_s": n / t, "flops": fl, "tflops": fl / t / 1e12}
+        except Exception as e:
+            row = {"tokens": n, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            torch.cuda.empty_cache()
+        log(row)
+        rows.append(row)
+    return rows
+
+
+def run_hf(ctx: int, steps: int, log) -> dict:
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+    cfg = Glm5NextConfig(**bench_config_dict())
+    cfg.text_config._attn_implementation = "eager"
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            hf = Glm5NextForConditionalGeneration(cfg).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    ids = torch.randint(0, 150000, (1, ctx), device="cuda")
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        out = hf(input_ids=ids, use_cache=True)
+        torch.cuda.synchronize()
+        prefill = time.perf_counter() - t0
+        cache = out.past_key_values
+        nxt = out.logits[:, -1:].argmax(-1)
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            out = hf(input_ids=nxt, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            nxt = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    row = {"ctx": ctx, "prefill_s": prefill, "steps": times, "step_s": median(times[1:] or times)}
+    log(row)
+    return row
+
+
+def plot(res: dict, path: Path) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        return f"no plot: matplotlib unavailable ({e})"
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bw = res["ceilings"]["copy_bw_Bps"]
+    for ctx in sorted({r["ctx"] for r in res["decode"]}):
+        rs = [r for r in res["decode"] if r["ctx"] == ctx and "error" not in r]
+        ax.plot([r["batch"] for r in rs], [r["tok_s"] for r in rs], "o-", label=f"engine ctx {ctx}")
+        ax.plot([r["batch"] for r in rs], [r["batch"] * bw / r["bytes"]["total"] for r in rs], "--",
+                label=f"roofline ctx {ctx}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("batch")
+    ax.set_ylabel("decode tok/s")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--render", type=Path, help="results.json -> bench/RESULTS.md")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--hf-only", action="store_true", help="engine b1 ctx 1K, then transformers, same run")
+    args = ap.parse_args()
+    if args.render:
+        from render_results import render
+        render(json.loads(args.render.read_text()), ROOT / "bench" / "RESULTS.md")
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    logf = open(args.out / "bench.log", "w")
+
+    def log(x):
+        line = json.dumps(x, default=str)
+        print(line[:400], flush=True)
+        logf.write(line + "\n")
+        logf.flush()
+
+    from glm5.model import backends
+    res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
+           "kda_backend": backends.kda_backend(torch.device("cuda")),
+           "attn_backend": backends.attn_backend(torch.device("cuda"))}
+    res["ceilings"] = ceilings()
+    log(res)
+    batches = [1, 8] if args.quick else [1, 8, 64, 256]
+    ctxs = [1024, 8192] if args.quick else [1024, 8192, 32768]
+    if args.hf_only:
+        s = Setup(1, 1024)
+        res["decode"] = run_decode(s, [1], [1024], reps=5, log=log)
+        batch = s.decode_batch(1, 1024)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            s.model.forward(batch, s.cache)
+            torch.cuda.synchronize()
+        ka = prof.key_averages()
+        res["profile_b1"] = {"cuda_kernels": sum(e.count for e in ka if e.device_type.name == "CUDA"),
+                             "table": ka.table(sort_by="self_cuda_time_total", row_limit=25)}
+        (args.out / "profile_b1.txt").write_text(res["profile_b1"]["table"] + "\n" + ka.table(
+            sort_by="cpu_time_total", row_limit=25))
+        s.close()
+        del s
+        gc.collect()
+        torch.cuda.empty_cache()
+        res["hf"] = run_hf(1024, 6, log)
+        (args.out / "results_hf.json").write_text(json.dumps(res, indent=1, default=str))
+        return 0
+    s = Setup(max(batches), max(ctxs))
+    res["weights_bytes"] = {"nonrouted": s.nonrouted_bytes, "per_expert": s.expert_bytes}
+    log(res["weights_bytes"])
+    res["prefill"] = run_prefill(s, [1024, 8192] if args.quick else [1024, 8192, 32768], 4096, log)
+    (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
+    res["decode"] = run_decode(s, batches, ctxs, reps=3, log=log)
+    (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
+    s.close()
+    del s
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not args.skip_hf:
+        try:
+            res["hf"] = run_hf(1024, 6, log)
+        except Exception as e:
+            res["hf"] = {"error": f"{type(e).__name__}: {str(e)[:500]}", "trace": traceback.format_exc()[-1500:]}
+            log(res["hf"])
+    res["plot_note"] = plot(res, args.out / "decode.png")
+    (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

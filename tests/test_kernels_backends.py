@@ -1,0 +1,41 @@
+"""Backend selection (CPU): auto picks the torch paths off CUDA, explicit GPU choices fail fast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm5.model import backends
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    monkeypatch.delenv("GLM5_KDA_BACKEND", raising=False)
+    monkeypatch.delenv("GLM5_ATTN_BACKEND", raising=False)
+    backends._overrides.clear()
+    yield
+    backends._overrides.clear()
+
+
+def test_auto_is_torch_on_cpu():
+    assert backends.kda_backend(torch.device("cpu")) == "torch"
+    assert backends.attn_backend(torch.device("cpu")) == "torch"
+
+
+@pytest.mark.parametrize("kind,value", [("kda", "fla"), ("attn", "sdpa")])
+def test_explicit_gpu_backend_fails_fast_on_cpu(monkeypatch, kind, value):
+    monkeypatch.setenv(f"GLM5_{kind.upper()}_BACKEND", value)
+    fn = backends.kda_backend if kind == "kda" else backends.attn_backend
+    with pytest.raises(backends.BackendUnavailable, match=value):
+        fn(torch.device("cpu"))
+
+
+def test_override_beats_env_and_bad_names_are_rejected(monkeypatch):
+    monkeypatch.setenv("GLM5_KDA_BACKEND", "fla")
+    backends.set_backends(kda="torch")
+    assert backends.kda_backend(torch.device("cpu")) == "torch"
+    with pytest.raises(ValueError, match="kda_backend='triton'"):
+        backends.set_backends(kda="triton")
+    monkeypatch.setenv("GLM5_ATTN_BACKEND", "flash")
+    with pytest.raises(ValueError, match="GLM5_ATTN_BACKEND"):
+        backends.attn_backend(torch.device("cpu"))
