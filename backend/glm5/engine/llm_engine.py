@@ -24,6 +24,7 @@ from glm5.engine.model_runner import ModelRunner
 from glm5.engine.outputs import CompletionOutput, EngineStats, PromptInput, RequestOutput
 from glm5.engine.scheduler import Scheduler
 from glm5.engine.sequence import MultiModalData, Sequence
+from glm5.engine.spec_decode import SpecStats, draw, greedy_verify, rejection_sample, target_distributions
 from glm5.detokenizer import RequestOutputProcessor
 from glm5.sampler import Sampler, TokenLogprobs, make_generator
 from glm5.sampling_params import SamplingParams
@@ -66,7 +67,9 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer(args.model)
         cache_cfg = CacheConfig(block_size=args.block_size, num_blocks=self._num_blocks(args),
                                 num_state_slots=args.max_num_seqs)
-        self.runner = ModelRunner(self.model_config, weights, cache_cfg, self.device, self.dtype)
+        self.runner = ModelRunner(self.model_config, weights, cache_cfg, self.device, self.dtype,
+                                  use_mtp=args.num_speculative_tokens > 0)
+        self.spec_stats = SpecStats(args.num_speculative_tokens) if args.num_speculative_tokens else None
         self.blocks = BlockAllocator(cache_cfg.num_blocks)
         self.slots = SlotAllocator(cache_cfg.num_state_slots)
         self.scheduler = Scheduler(self.blocks, self.slots, args.block_size, args.max_num_seqs,
@@ -106,8 +109,10 @@ class LLMEngine:
     @property
     def mm_processor(self):
         if self._mm_processor is None:
-            from glm5.multimodal import MultiModalProcessor
-            self._mm_processor = MultiModalProcessor.from_pretrained(self.args.model, caps=self.args.media_caps)
+            from glm5.multimodal import MediaCaps, MultiModalProcessor
+            caps = MediaCaps.from_dict(self.args.media_caps) if self.args.media_caps else None
+            self._mm_processor = MultiModalProcessor.from_checkpoint(self.args.model, caps=caps,
+                                                                     tokenizer=self.tokenizer)
         return self._mm_processor
 
     # ------------------------------------------------------------------ requests
@@ -135,7 +140,7 @@ class LLMEngine:
             text = prompt.text
         if prompt.images or prompt.videos:
             processed = self.mm_processor.process(text, images=prompt.images, videos=prompt.videos)
-            return self._from_processed(processed), text
+            return (*self._from_processed(processed), text)
         return self.tokenizer.encode(text, add_special_tokens=False), None, text
 
     def _placeholder_positions(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,12 +152,15 @@ class LLMEngine:
 
     def _mm_from_tensors(self, ids: list[int], pv, igrid, pvv, vgrid) -> MultiModalData | None:
         def t(x, dtype):
-            return None if x is None else torch.as_tensor(x).to(dtype)
+            if x is None or (hasattr(x, "shape") and x.shape[0] == 0):
+                return None
+            return torch.as_tensor(x).to(dtype)
+        pv, pvv = t(pv, torch.float32), t(pvv, torch.float32)
         if pv is None and pvv is None:
             return None
         img_pos, vid_pos = self._placeholder_positions(torch.tensor(ids))
-        return MultiModalData(pixel_values=t(pv, torch.float32), image_grid_thw=t(igrid, torch.long),
-                              pixel_values_videos=t(pvv, torch.float32), video_grid_thw=t(vgrid, torch.long),
+        return MultiModalData(pixel_values=pv, image_grid_thw=None if pv is None else t(igrid, torch.long),
+                              pixel_values_videos=pvv, video_grid_thw=None if pvv is None else t(vgrid, torch.long),
                               image_positions=img_pos, video_positions=vid_pos)
 
     def _from_processed(self, p) -> tuple[list[int], MultiModalData | None]:
@@ -190,6 +198,8 @@ class LLMEngine:
                        eos_token_ids=self.eos_token_ids, arrival_order=next(self._order), mm=mm)
         if params.seed is not None:
             seq.generator = make_generator(params.seed)
+        if self.spec_stats is not None:
+            seq.spec_stats = SpecStats(self.args.num_speculative_tokens)
         proc = RequestOutputProcessor(self.tokenizer or _NoTextTokenizer(), ids, params, self.eos_token_ids)
         self._requests[request_id] = _RequestState(seq=seq, proc=proc, prompt_text=prompt_text)
         self.prompt_tokens_total += len(ids)
@@ -224,23 +234,118 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.chunks:
             return outputs
-        model_out, sample_idx = self.runner.execute(sched)
-        for c in sched.chunks:
-            c.seq.num_computed_tokens += c.num_tokens
-        if not sample_idx:
-            return outputs
-        seqs = [sched.chunks[i].seq for i in sample_idx]
-        result = self.sampler.sample(
-            model_out.logits, [s.params for s in seqs],
-            generators=[s.generator for s in seqs],
-            output_token_ids=[s.output_token_ids for s in seqs],
-            prompt_token_ids=[s.prompt_token_ids for s in seqs],
-            eos_token_ids=[s.eos_token_ids for s in seqs])
+        batch, model_out, sample_idx = self.runner.execute(sched)
+        valid_rows: dict[int, int] = {}
+        for ci, c in enumerate(sched.chunks):
+            valid_rows[ci] = c.num_tokens - c.num_drafts
+            c.seq.num_computed_tokens += valid_rows[ci]
+        plain = [(ci, row) for ci, row, n in sample_idx if n == 1]
+        new_tokens: dict[int, tuple[list[int], list[dict | None]]] = {}
+        if plain:
+            seqs = [sched.chunks[ci].seq for ci, _ in plain]
+            rows = torch.tensor([row for _, row in plain], device=model_out.logits.device)
+            result = self.sampler.sample(
+                model_out.logits[rows], [s.params for s in seqs], generators=[s.generator for s in seqs],
+                output_token_ids=[s.output_token_ids for s in seqs], prompt_token_ids=[s.prompt_token_ids for s in seqs],
+                eos_token_ids=[s.eos_token_ids for s in seqs])
+            tokens = result.token_ids.tolist()
+            for k, (ci, _) in enumerate(plain):
+                new_tokens[ci] = ([tokens[k]], [_logprob_dict(result.logprobs[k])])
+        for ci, row, n in sample_idx:
+            if n > 1:
+                new_tokens[ci] = (self._verify(sched.chunks[ci], batch, model_out.logits[row:row + n]), [])
+                valid_rows[ci] += len(new_tokens[ci][0]) - 1
         now = time.time()
-        tokens = result.token_ids.tolist()
-        for row, seq in enumerate(seqs):
-            outputs.append(self._append_tokens(seq, [tokens[row]], [_logprob_dict(result.logprobs[row])], now))
+        for ci, c in enumerate(sched.chunks):
+            c.seq.draft_tokens, c.seq.draft_probs = [], None
+            if ci in new_tokens:
+                toks, lps = new_tokens[ci]
+                outputs.append(self._append_tokens(c.seq, toks, lps, now))
+        if self.runner.mtp is not None:
+            self._propose(sched, batch, model_out.hidden, valid_rows, {ci for ci, _, _ in sample_idx})
         return outputs
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        return seq.generator if seq.generator is not None else self.sampler.shared_generator(self.device)
+
+    def _verify(self, chunk, batch, logits: torch.Tensor) -> list[int]:
+        """Accept drafts of a verification chunk; roll its states back to the last accepted row."""
+        seq = chunk.seq
+        drafts = seq.draft_tokens[: chunk.num_drafts]
+        probs = target_distributions(self.sampler, logits, seq.params, seq.output_token_ids, seq.prompt_token_ids,
+                                     drafts, seq.eos_token_ids)
+        if seq.params.is_greedy:
+            tokens = greedy_verify(probs, drafts)
+        else:
+            tokens = rejection_sample(probs, seq.draft_probs[: len(drafts)], drafts, self._generator(seq))
+        accepted = len(tokens) - 1
+        if accepted < len(drafts):
+            self.runner.rollback(batch, seq.state_slot, 1 + accepted)
+        seq.num_computed_tokens += accepted
+        self.spec_stats.record(len(drafts), accepted)
+        seq.spec_stats.record(len(drafts), accepted)
+        return tokens
+
+    def _num_drafts(self, seq: Sequence) -> int:
+        p = seq.params
+        if p.logprobs is not None:  # logprobs of verified tokens are not computed: no speculation
+            return 0
+        room = min(p.max_tokens - len(seq.output_token_ids), self.args.max_model_len - seq.num_tokens)
+        return max(0, min(self.args.num_speculative_tokens, room - 1))
+
+    def _draft_from(self, seq: Sequence, logits: torch.Tensor) -> int:
+        probs = target_distributions(self.sampler, logits[None], seq.params, seq.output_token_ids + seq.draft_tokens,
+                                     seq.prompt_token_ids, [], seq.eos_token_ids)[0]
+        if seq.params.is_greedy:
+            token = int(torch.argmax(probs))
+        else:
+            token = draw(probs, self._generator(seq))
+            seq.draft_probs = probs[None] if seq.draft_probs is None else torch.cat([seq.draft_probs, probs[None]])
+        seq.draft_tokens.append(token)
+        return token
+
+    def _propose(self, sched, batch, hidden: torch.Tensor, valid_rows: dict[int, int], sampled: set[int]) -> None:
+        """MTP catch-up over this step's accepted rows, then draft steps for requests that will decode."""
+        entries, rows, want = [], [], []
+        for ci, c in enumerate(sched.chunks):
+            seq, v = c.seq, valid_rows[ci]
+            if seq.is_finished or seq.state_slot is None:
+                continue
+            lo = seq.num_computed_tokens - v
+            entries.append((seq, lo, seq.tokens(lo + 1, lo + v + 1)))
+            start = batch.seqs[ci].start
+            rows.append(hidden[start:start + v])
+            want.append(ci in sampled and self._num_drafts(seq) > 0)
+        if not entries:
+            return
+        shared = {} if self.model_config.text.index_share_for_mtp_iteration else None
+        logits, h = self.runner.mtp_forward(entries, torch.cat(rows), want, shared)
+        drafting, last_rows, offset, k = [], [], 0, 0
+        for (seq, lo, nxt), w in zip(entries, want):
+            offset += len(nxt)
+            if w:
+                self._draft_from(seq, logits[len(drafting)])
+                drafting.append(seq)
+                last_rows.append(offset - 1)
+        if not drafting:
+            return
+        hid = h[torch.tensor(last_rows, device=h.device)]
+        slots = [s.state_slot for s in drafting]
+        snapshot = self.runner.snapshot_mtp_tails(slots)
+        for j in range(1, max(self._num_drafts(s) for s in drafting)):
+            step = [(i, s) for i, s in enumerate(drafting)
+                    if len(s.draft_tokens) == j and j < self._num_drafts(s)
+                    and self.scheduler.ensure_blocks(s, s.num_tokens + j - 1)]
+            if not step:
+                break
+            ents = [(s, s.num_tokens - 2 + j, [s.draft_tokens[-1]]) for _, s in step]
+            idx = torch.tensor([i for i, _ in step], device=hid.device)
+            logits, h = self.runner.mtp_forward(ents, hid[idx], [True] * len(ents), shared)
+            for r, (i, s) in enumerate(step):
+                self._draft_from(s, logits[r])
+                hid[i] = h[r]
+        self.runner.restore_mtp_tails(slots, snapshot)
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[dict | None],
                        now: float) -> RequestOutput:

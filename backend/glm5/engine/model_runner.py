@@ -20,6 +20,7 @@ from glm5.engine.scheduler import SchedulerOutput
 from glm5.engine.sequence import MultiModalData, Sequence
 from glm5.model.batch import ForwardBatch, SeqChunk
 from glm5.model.glm5 import Glm5ForCausalLM, ModelOutput
+from glm5.model.mtp import MissingMTPWeights, MTPLayer
 from glm5.model.vision import flatten_video_grid
 
 logger = logging.getLogger(__name__)
@@ -57,10 +58,19 @@ class EncoderCache:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], cache_cfg: CacheConfig,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, use_mtp: bool = False):
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.model = Glm5ForCausalLM(cfg, weights)
-        self.cache = HybridCache(cfg.text, cache_cfg, device, dtype)
+        self.mtp: MTPLayer | None = None
+        mla_layers = list(cfg.text.mla_layer_ids)
+        if use_mtp:
+            if not cfg.text.mtp_layer_ids:
+                raise MissingMTPWeights("speculative decoding needs an MTP layer, but the config declares "
+                                        "num_nextn_predict_layers = 0; set num_speculative_tokens=0")
+            layer = cfg.text.mtp_layer_ids[0]
+            self.mtp = MTPLayer(cfg, weights, layer, self.model.embed, self.model.lm_head)
+            mla_layers.append(layer)
+        self.cache = HybridCache(cfg.text, cache_cfg, device, dtype, mla_layers=mla_layers)
         self.encoder_cache = EncoderCache()
         self.vision_calls = 0
         logger.info("hybrid cache: %d blocks × %d tokens, %d state slots, %.1f MiB", cache_cfg.num_blocks,
@@ -142,7 +152,9 @@ class ModelRunner:
             mm.positions, mm.embeds = pos[order], emb[order]
 
     # ------------------------------------------------------------------ step
-    def prepare(self, sched: SchedulerOutput) -> tuple[ForwardBatch, list[int]]:
+    def prepare(self, sched: SchedulerOutput) -> tuple[ForwardBatch, list[tuple[int, int, int]]]:
+        """Pack the step. Also returns, per sampling chunk, ``(chunk index, first logits row, rows)``:
+        one row for a plain chunk, ``1 + drafts`` for a verification chunk."""
         ids, pos, seqs, logit_rows, sample_idx = [], [], [], [], []
         mm_rows, mm_embeds = [], []
         start = 0
@@ -150,19 +162,23 @@ class ModelRunner:
         for ci, c in enumerate(sched.chunks):
             s = c.seq
             lo, hi = s.num_computed_tokens, s.num_computed_tokens + c.num_tokens
-            ids.extend(s.tokens(lo, hi))
+            if c.num_drafts:
+                ids.extend(s.tokens(lo, lo + 1) + s.draft_tokens[: c.num_drafts])
+            else:
+                ids.extend(s.tokens(lo, hi))
             pos.extend(range(lo, hi))
             seqs.append(SeqChunk(start=start, num_tokens=c.num_tokens, context_len=lo,
                                  block_table=torch.tensor(s.block_table, dtype=torch.long, device=self.device),
-                                 state_slot=s.state_slot))
+                                 state_slot=s.state_slot, record_states=c.num_drafts > 0))
             if s.mm is not None and s.mm.positions is not None:
                 sel = (s.mm.positions >= lo) & (s.mm.positions < hi)
                 if sel.any():
                     mm_rows.append(s.mm.positions[sel] - lo + start)
                     mm_embeds.append(s.mm.embeds[sel])
             if c.samples:
-                logit_rows.append(start + c.num_tokens - 1)
-                sample_idx.append(ci)
+                n_rows = 1 + c.num_drafts
+                sample_idx.append((ci, len(logit_rows), n_rows))
+                logit_rows.extend(range(start + c.num_tokens - n_rows, start + c.num_tokens))
             start += c.num_tokens
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
@@ -174,6 +190,51 @@ class ModelRunner:
         )
         return batch, sample_idx
 
-    def execute(self, sched: SchedulerOutput) -> tuple[ModelOutput, list[int]]:
+    def execute(self, sched: SchedulerOutput) -> tuple[ForwardBatch, ModelOutput, list[tuple[int, int, int]]]:
         batch, sample_idx = self.prepare(sched)
-        return self.model.forward(batch, self.cache), sample_idx
+        return batch, self.model.forward(batch, self.cache), sample_idx
+
+    # ------------------------------------------------------------------ speculative decoding
+    def rollback(self, batch: ForwardBatch, state_slot: int, valid_rows: int) -> None:
+        """Put back the KDA states and kpool tails of a verification chunk as of ``valid_rows`` rows."""
+        for (layer, slot), rec in batch.records.items():
+            if slot != state_slot:
+                continue
+            if layer in self.cache.recurrent:
+                rec.restore(self.cache.conv[layer][slot], self.cache.recurrent[layer][slot], valid_rows)
+            else:
+                rec.restore(self.cache.tail[layer][slot], valid_rows)
+
+    def _mtp_batch(self, entries: list[tuple[Sequence, int, list[int]]], want_logits: list[bool],
+                   shared_pools: dict | None) -> ForwardBatch:
+        ids, pos, seqs, rows = [], [], [], []
+        start = 0
+        for (seq, lo, next_tokens), want in zip(entries, want_logits):
+            n = len(next_tokens)
+            ids.extend(next_tokens)
+            pos.extend(range(lo, lo + n))
+            seqs.append(SeqChunk(start=start, num_tokens=n, context_len=lo,
+                                 block_table=torch.tensor(seq.block_table, dtype=torch.long, device=self.device),
+                                 state_slot=seq.state_slot))
+            if want:
+                rows.append(start + n - 1)
+            start += n
+        return ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+                            positions=torch.tensor(pos, dtype=torch.long, device=self.device), seqs=seqs,
+                            logits_indices=torch.tensor(rows, dtype=torch.long, device=self.device),
+                            shared_pools=shared_pools)
+
+    def mtp_forward(self, entries: list[tuple[Sequence, int, list[int]]], hidden: torch.Tensor,
+                    want_logits: list[bool], shared_pools: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the MTP layer on rows ``(seq, first position, next tokens)``; ``hidden`` holds the matching
+        target (or recycled) hidden rows in the same order. Returns (logits of the last row of every
+        entry with ``want_logits``, recycled hidden of every row)."""
+        batch = self._mtp_batch(entries, want_logits, shared_pools)
+        return self.mtp.forward(batch, hidden, self.cache)
+
+    def snapshot_mtp_tails(self, slots: list[int]) -> torch.Tensor:
+        layer = self.mtp.layer
+        return self.cache.tail[layer][slots].clone()
+
+    def restore_mtp_tails(self, slots: list[int], snapshot: torch.Tensor) -> None:
+        self.cache.tail[self.mtp.layer][slots] = snapshot

@@ -25,12 +25,13 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ScheduledChunk:
     seq: Sequence
-    num_tokens: int
+    num_tokens: int       # rows this step, drafts included
+    num_drafts: int = 0   # speculative rows after the last accepted token (verification)
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the request's last known token, so its logits give a new token."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_tokens - self.num_drafts == self.seq.num_tokens
 
 
 @dataclass
@@ -88,6 +89,14 @@ class Scheduler:
             seq.state_slot = None
         seq.num_computed_tokens = 0
 
+    def ensure_blocks(self, seq: Sequence, num_positions: int) -> bool:
+        """Make ``seq``'s block table cover ``num_positions`` positions if blocks are free (MTP drafts)."""
+        need = max(0, -(-num_positions // self.block_size) - len(seq.block_table))
+        if need > self.blocks.num_free:
+            return False
+        seq.block_table.extend(self.blocks.allocate(need))
+        return True
+
     def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         total = seq.num_computed_tokens + num_tokens
         return max(0, -(-total // self.block_size) - len(seq.block_table))
@@ -95,6 +104,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         logger.debug("preempting %s (%d tokens)", seq.request_id, seq.num_tokens)
         self._release(seq)
+        seq.draft_tokens, seq.draft_probs = [], None
         seq.status = SeqStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -110,7 +120,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            pending = seq.num_tokens - seq.num_computed_tokens
+            drafts = len(seq.draft_tokens) if pending == 1 else 0
+            drafts = min(drafts, budget - 1)
+            n = min(pending, budget) + drafts
             need = self._blocks_needed(seq, n)
             while need > self.blocks.num_free and self.running[-1] is not seq:
                 victim = self.running[-1]
@@ -121,7 +134,7 @@ class Scheduler:
                 out.preempted.append(seq)
                 continue
             seq.block_table.extend(self.blocks.allocate(need))
-            out.chunks.append(ScheduledChunk(seq, n))
+            out.chunks.append(ScheduledChunk(seq, n, drafts))
             budget -= n
             i += 1
         # admit waiting requests

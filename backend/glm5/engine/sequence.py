@@ -66,6 +66,10 @@ class Sequence:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
     # per-output-token logprob records (when params.logprobs is set)
     logprobs: list[dict] = field(default_factory=list)
+    # speculative decoding: drafts proposed for the next step and the distributions they came from
+    draft_tokens: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    spec_stats: object | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,67 @@
+"""The MTP (next-n prediction) layer that drafts tokens for speculative decoding (model-spec §8).
+
+Row ``p`` combines the embedding of token ``p+1`` with the target's final hidden state at ``p``::
+
+    e  = embed(x[p+1])            (zeroed when p == 0)
+    u  = eh_proj([enorm(e) ; hnorm(h[p])])
+    u += MLA_L(input_layernorm(u))          own latent / pooled-key / tail caches at position p
+    u += MoE_L(post_attention_layernorm(u))
+    h' = shared_head.norm(u);  logits = lm_head(h')
+
+A plain pre-norm block: no mHC. Later draft steps feed ``h'`` back as the hidden (post-norm
+recycling) and, with ``index_share_for_mtp_iteration``, reuse the first step's pool selection.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from glm5.cache.hybrid_cache import HybridCache
+from glm5.config import ModelConfig
+from glm5.model.batch import ForwardBatch
+from glm5.model.mla import MLALayer
+from glm5.model.mlp import DenseMLP
+from glm5.model.moe import MoE
+from glm5.model.norms import rms_norm
+
+
+class MissingMTPWeights(ValueError):
+    pass
+
+
+class MTPLayer:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], layer: int,
+                 embed: torch.Tensor, lm_head: torch.Tensor):
+        t = cfg.text
+        p = f"layers.{layer}"
+        if f"{p}.eh_proj.weight" not in weights:
+            raise MissingMTPWeights(
+                f"speculative decoding needs the MTP layer weights ({p}.eh_proj.weight, ...), which this checkpoint "
+                "lacks; use a checkpoint with num_nextn_predict_layers >= 1 and its layers.N.* tensors, or set "
+                "num_speculative_tokens=0")
+        self.layer, self.cfg = layer, cfg
+        self.eps = t.rms_norm_eps
+        self.embed, self.lm_head = embed, lm_head
+        self.enorm = weights[f"{p}.enorm.weight"]
+        self.hnorm = weights[f"{p}.hnorm.weight"]
+        self.eh_proj = weights[f"{p}.eh_proj.weight"]
+        self.in_norm = weights[f"{p}.input_layernorm.weight"]
+        self.post_norm = weights[f"{p}.post_attention_layernorm.weight"]
+        self.head_norm = weights[f"{p}.shared_head.norm.weight"]
+        self.attn = MLALayer(weights, layer, t)
+        self.mlp = DenseMLP(weights, f"{p}.mlp", t.swiglu_limit) if t.mtp_mlp_kind() == "dense" \
+            else MoE(weights, f"{p}.mlp", t)
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor, cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """``batch.input_ids`` = the *next* tokens (x[p+1]) at ``batch.positions`` = p; ``hidden`` = h[p].
+        Returns (fp32 logits at ``batch.logits_indices``, recycled hidden h' [T, H])."""
+        e = F.embedding(batch.input_ids, self.embed)
+        e = e.masked_fill((batch.positions == 0)[:, None], 0.0)
+        u = F.linear(torch.cat([rms_norm(e, self.enorm, self.eps), rms_norm(hidden.to(e.dtype), self.hnorm, self.eps)],
+                               dim=-1), self.eh_proj)
+        u = u + self.attn(rms_norm(u, self.in_norm, self.eps), batch, cache)
+        u = u + self.mlp(rms_norm(u, self.post_norm, self.eps))
+        h = rms_norm(u, self.head_norm, self.eps)
+        return F.linear(h[batch.logits_indices], self.lm_head).float(), h
