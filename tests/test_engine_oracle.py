@@ -14,6 +14,7 @@ SHORT_STACK = {
     "layer_types": ["linear_attention", "deepseek_sparse_attention", "deepseek_sparse_attention", "linear_attention"],
     "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
     "num_hidden_layers": 4,
+    "index_n_heads": 16,  # 4 heads make exact-zero index-score ties frequent; HF breaks them by row shape
 }
 SWEEP = [(kp, topk) for kp in (1, 2, 4, 16) for topk in (kp, 8, 64) if topk % kp == 0 and topk >= kp]
 SWEEP = sorted(set(SWEEP))

@@ -153,7 +153,7 @@ def test_default_config_parses(tiny_checkpoint_dir: Path) -> None:
     assert t.layer_kinds == ["kda", "kda", "mla", "mla", "kda", "kda", "kda", "mla"]
     assert t.mlp_kinds == ["dense"] * 2 + ["moe"] * 6
     assert t.mtp_layer_ids == [8] and t.mtp_mlp_kind() == "moe"
-    assert (t.hidden_size, t.index_kpool, t.index_topk, t.index_n_heads, t.index_head_dim) == (64, 4, 16, 4, 32)
+    assert (t.hidden_size, t.index_kpool, t.index_topk, t.index_n_heads, t.index_head_dim) == (64, 4, 16, 16, 32)
     assert (t.linear_num_heads, t.linear_head_dim, t.linear_lower_bound) == (4, 16, -5.0)
     assert (t.num_attention_heads, t.kv_lora_rank, t.q_lora_rank, t.qk_nope_head_dim, t.v_head_dim) == (4, 32, 48, 32, 32)
     assert (t.n_routed_experts, t.num_experts_per_tok, t.n_shared_experts, t.hc_mult) == (8, 2, 1, 4)

@@ -186,7 +186,7 @@ def default_text_config(vocab_size: int, token_ids: dict[str, int]) -> dict[str,
         "qk_rope_head_dim": 0,
         "v_head_dim": 32,
         "mla_use_nope": True,
-        "index_n_heads": 4,
+        "index_n_heads": 16,  # with few heads, ReLU-zero index scores tie often (the real model has 32)
         "index_head_dim": 32,
         "index_topk": 16,
         "index_kpool": 4,
@@ -522,6 +522,31 @@ def make_tiny_checkpoint(
         _write_json(out / fname, obj)
     logger.info("tiny checkpoint written to %s (seed %d, %d tensors, vocab %d)", out, seed, len(tensors), vocab_size)
     return out
+
+
+# Bump when the default checkpoint's contents change, so cached copies are rebuilt.
+TINY_FORMAT_VERSION = 2
+_VERSION_FILE = ".glm5_tiny_version"
+
+
+def default_checkpoint_dir() -> Path:
+    """Where ``glm5 serve`` / ``glm5 generate`` keep the default tiny checkpoint."""
+    import os
+
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "glm5" / "tiny-checkpoint"
+
+
+def ensure_default_checkpoint(path: str | Path | None = None) -> Path:
+    """The default tiny checkpoint at ``path`` (default :func:`default_checkpoint_dir`), written when
+    missing or made by an older version of this module."""
+    path = Path(path) if path is not None else default_checkpoint_dir()
+    marker = path / _VERSION_FILE
+    if (path / "config.json").is_file() and marker.is_file() and marker.read_text().strip() == str(TINY_FORMAT_VERSION):
+        return path
+    logger.info("writing the tiny random GLM-5.3-Flash checkpoint to %s", path)
+    make_tiny_checkpoint(path)
+    marker.write_text(f"{TINY_FORMAT_VERSION}\n")
+    return path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

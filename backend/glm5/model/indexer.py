@@ -121,7 +121,10 @@ class KPoolIndexer:
             w = F.linear(x.to(self.w_heads.dtype), self.w_heads).float() * self.n_heads ** -0.5
             index_scores = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)  # [n, P]
             index_scores = index_scores.masked_fill(~candidate, torch.finfo(index_scores.dtype).min)
-            top = index_scores.topk(min(self.n_select, n_pools), dim=-1).indices
+            # Ties are real (a pool whose every head dot product is negative scores exactly 0 after the
+            # ReLU): break them by pool id (stable sort) so that a request's selection does not depend on
+            # how many rows share its step — torch.topk's tie order does.
+            top = torch.sort(index_scores, dim=-1, descending=True, stable=True).indices[:, : min(self.n_select, n_pools)]
             chosen = torch.zeros_like(candidate).scatter_(1, top, True) & candidate  # [n, P]
             if shared_pools is not None:
                 shared_pools[key] = chosen
