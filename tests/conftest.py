@@ -7,11 +7,24 @@ test session; tests must treat it as read-only (copy it if they need to modify f
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
+
+# Tiny models on a 2-core CI box: torch's OpenMP threads spin-wait, and with tritonserver stubs and
+# CLI subprocesses running beside the test process, one thread each is several times faster.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).parent))  # tests import their helpers (oracle.py) by name
 
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")

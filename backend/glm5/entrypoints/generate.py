@@ -15,12 +15,13 @@ from pathlib import Path
 
 from glm5.engine import EngineArgs, LLMEngine, PromptInput
 from glm5.sampling_params import SamplingParams
+from glm5.tiny_checkpoint import ensure_default_checkpoint
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", help="prompt text (raw, or a user message with --chat)")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the tiny checkpoint, created "
-                   "on first use under ~/.cache/glm5/tiny)")
+                   "on first use under ~/.cache/glm5/tiny-checkpoint)")
     p.add_argument("--prompt-ids", default=None, help="comma-separated prompt token ids instead of text")
     p.add_argument("--prompts-file", default=None, help="file with one prompt per line (JSON lines with "
                    "'prompt' / 'prompt_ids' / 'messages' also accepted)")
@@ -51,16 +52,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=0)
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-
-
-def default_model_dir() -> Path:
-    """The tiny checkpoint, created once under the user cache (deterministic, seconds on CPU)."""
-    from glm5.tiny_checkpoint import make_tiny_checkpoint
-
-    d = Path.home() / ".cache" / "glm5" / "tiny"
-    if not (d / "config.json").is_file():
-        make_tiny_checkpoint(d)
-    return d
 
 
 def _prompts(args: argparse.Namespace) -> list[PromptInput]:
@@ -106,7 +97,7 @@ def _params(args: argparse.Namespace) -> SamplingParams:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = args.model or str(default_model_dir())
+    model = args.model or str(ensure_default_checkpoint())
     engine = LLMEngine(EngineArgs(model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   block_size=args.block_size, num_cache_blocks=args.num_cache_blocks,
@@ -143,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         summary = dict(outs[0]) if len(outs) == 1 else {"outputs": outs}
         summary.update(elapsed_s=round(elapsed, 4), output_tokens_per_s=round(n_tok / max(elapsed, 1e-9), 2))
+        if engine.spec_stats is not None:
+            summary["speculative"] = engine.spec_stats.to_dict()
         print(json.dumps(summary))
     elif not args.stream:
         for o in outs:
@@ -153,5 +146,5 @@ def run(args: argparse.Namespace) -> int:
 def generate(prompts: list[str | list[int] | PromptInput], params: SamplingParams | None = None,
              model: str | None = None, **engine_kwargs) -> list:
     """Notebook API: ``glm5.generate(["Hello"], SamplingParams(max_tokens=8))`` → list of CompletionOutput."""
-    engine = LLMEngine(EngineArgs(model=model or str(default_model_dir()), **engine_kwargs))
+    engine = LLMEngine(EngineArgs(model=model or str(ensure_default_checkpoint()), **engine_kwargs))
     return engine.generate(prompts, params)

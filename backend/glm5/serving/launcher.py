@@ -478,23 +478,6 @@ class TritonServerProcess:
 # CLI
 # ---------------------------------------------------------------------------------------------
 
-def default_tiny_checkpoint_dir() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "glm5"
-    return base / "tiny-checkpoint"
-
-
-def ensure_tiny_checkpoint(path: Path) -> Path:
-    """Create the tiny random checkpoint at ``path`` unless it is already there."""
-    if (path / "config.json").is_file():
-        return path
-    from glm5.tiny_checkpoint import make_tiny_checkpoint
-
-    logger.info("no --model given: writing the tiny random checkpoint to %s", path)
-    path.mkdir(parents=True, exist_ok=True)
-    make_tiny_checkpoint(path)
-    return path
-
-
 _ENGINE_FLAGS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                  "num_cache_blocks", "cache_memory_gb", "num_speculative_tokens", "seed")
 
@@ -530,7 +513,9 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--engine-arg expects KEY=VALUE, got {kv!r}")
         k, v = kv.split("=", 1)
         overrides[k.strip()] = v
-    model = args.model or str(ensure_tiny_checkpoint(default_tiny_checkpoint_dir()))
+    from glm5.tiny_checkpoint import ensure_default_checkpoint
+
+    model = args.model or str(ensure_default_checkpoint())
     extra = []
     if args.http_address:
         extra.append(f"--http-address={args.http_address}")
