@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Iterator
 
 from glm5.engine.args import EngineArgs
@@ -25,37 +26,79 @@ _END = object()
 
 
 class RequestStream:
-    """Outputs of one request, iterable with ``for`` (blocking) or ``async for``."""
+    """Outputs of one request, iterable with ``for`` (blocking) or ``async for``.
+
+    Items are buffered in a deque guarded by a condition variable. A blocking consumer waits on
+    the condition; an ``async for`` consumer parks an asyncio future that the engine thread
+    resolves with ``call_soon_threadsafe``. The async path therefore holds no executor thread
+    while waiting: many concurrent streams do not exhaust the loop's default executor, and a
+    cancelled consumer leaves no thread behind that would later swallow an output.
+    """
 
     def __init__(self, request_id: str):
         self.request_id = request_id
-        self._q: queue.Queue = queue.Queue()
+        self._items: deque = deque()
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
 
     def _put(self, item) -> None:
-        self._q.put(item)
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify_all()
+            waiters, self._waiters = self._waiters, []
+        for loop, fut in waiters:
+            try:
+                loop.call_soon_threadsafe(_wake_future, fut)
+            except RuntimeError:  # that event loop is closed: its consumer is gone
+                pass
+
+    def _get(self):
+        with self._cond:
+            while not self._items:
+                self._cond.wait()
+            return self._items.popleft()
+
+    async def _aget(self):
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cond:
+                if self._items:
+                    return self._items.popleft()
+                fut = loop.create_future()
+                self._waiters.append((loop, fut))
+            await fut
+
+    @staticmethod
+    def _check(item) -> bool:
+        """True when iteration ends before ``item``; raises a delivered engine error."""
+        if item is _END:
+            return True
+        if isinstance(item, BaseException):
+            raise item
+        return False
 
     def __iter__(self) -> Iterator[RequestOutput]:
         while True:
-            item = self._q.get()
-            if item is _END:
+            item = self._get()
+            if self._check(item):
                 return
-            if isinstance(item, BaseException):
-                raise item
             yield item
             if item.finished:
                 return
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        loop = asyncio.get_running_loop()
         while True:
-            item = await loop.run_in_executor(None, self._q.get)
-            if item is _END:
+            item = await self._aget()
+            if self._check(item):
                 return
-            if isinstance(item, BaseException):
-                raise item
             yield item
             if item.finished:
                 return
+
+
+def _wake_future(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class AsyncLLMEngine:
@@ -74,17 +117,27 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------------ public, thread-safe
     def add_request(self, request_id: str, prompt: PromptInput | str | list[int],
                     params: SamplingParams | None = None) -> RequestStream:
-        if self._error is not None:
-            raise RuntimeError(f"engine loop died: {self._error!r}")
+        self._check_alive()
         done = threading.Event()
         box: dict = {}
         stream = RequestStream(request_id)
         self._cmds.put(("add", request_id, prompt, params, stream, done, box))
         self._wake.set()
-        done.wait()
+        # The loop thread answers every command it takes; if it stops first (shutdown or a crash)
+        # the command is never taken, so wait in slices and re-check instead of blocking forever.
+        while not done.wait(timeout=0.1):
+            if not self._thread.is_alive():
+                self._check_alive()
+                raise RuntimeError("the engine loop stopped before taking this request; create a new engine")
         if "error" in box:
             raise box["error"]
         return stream
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"engine loop died: {self._error!r}")
+        if self._stop.is_set():
+            raise RuntimeError("the engine was shut down; create a new AsyncLLMEngine to serve more requests")
 
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
@@ -94,6 +147,7 @@ class AsyncLLMEngine:
         return self._stats
 
     def shutdown(self) -> None:
+        """Stop the loop thread; requests still in flight end with finish_reason ``"abort"``."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=30)
@@ -141,6 +195,18 @@ class AsyncLLMEngine:
             for s in self._streams.values():
                 s._put(RuntimeError(f"engine loop failed: {e!r}"))
         finally:
+            # Abort what is left and hand each stream its final "abort" output (collected by a
+            # step that schedules nothing, since every request is finished), then end it.
+            if self._error is None:
+                for rid in list(self._streams):
+                    self.engine.abort(rid)
+                try:
+                    for out in self.engine.step():
+                        stream = self._streams.get(out.request_id)
+                        if stream is not None:
+                            stream._put(out)
+                except Exception:  # the final outputs are a courtesy; ending the streams is not
+                    logger.exception("could not deliver final abort outputs at shutdown")
+                self._stats = self.engine.stats()
             for rid in list(self._streams):
-                self.engine.abort(rid)
                 self._streams.pop(rid)._put(_END)
