@@ -139,7 +139,7 @@ class KDALayer:
         beta = torch.sigmoid(b).float()
         gate = F.linear(g_a, self.g_b)
         conv_state, rec_state = cache.conv[self.layer], cache.recurrent[self.layer]
-        if kda_backend(x.device) == "fla":
+        if kda_backend(x.device, x.dtype) == "fla":
             core = self._core_fla(mixed, g, beta, batch, conv_state, rec_state)
         else:
             core = self._core_torch(mixed, g, beta, batch, conv_state, rec_state)
