@@ -152,6 +152,16 @@ class _Metrics:
                        MF.HISTOGRAM).Metric(labels, buckets=self.ITL_BUCKETS)
         self.e2e = fam("glm5:e2e_request_latency_seconds", "Request latency (arrival to finish)",
                        MF.HISTOGRAM).Metric(labels, buckets=self.E2E_BUCKETS)
+        self.spec_drafts = fam("glm5:spec_decode_num_draft_tokens_total", "MTP draft tokens proposed",
+                               MF.COUNTER).Metric(labels)
+        self.spec_accepted = fam("glm5:spec_decode_num_accepted_tokens_total", "MTP draft tokens accepted",
+                                 MF.COUNTER).Metric(labels)
+        self.spec_mean_len = fam("glm5:spec_decode_mean_accepted_length",
+                                 "Tokens emitted per verification step (1 = no draft accepted)", MF.GAUGE).Metric(labels)
+        self._spec_rate_family = fam("glm5:spec_decode_acceptance_rate",
+                                     "Acceptance rate per draft position", MF.GAUGE)
+        self._spec_rate: dict[int, Any] = {}
+        self._labels = labels
         self._last: dict[str, float] = {}
         self._thread = threading.Thread(target=self._loop, name="glm5-metrics", daemon=True)
         self._thread.start()
@@ -180,6 +190,15 @@ class _Metrics:
         self._counter_from_total(self.aborted, "aborted", float(st.aborted_total))
         self._counter_from_total(self.finished, "finished", float(st.finished_total))
         self._counter_from_total(self.preempted, "preempted", float(st.preempted_total))
+        spec = getattr(st, "speculative", None)
+        if spec:
+            self._counter_from_total(self.spec_drafts, "spec_drafts", float(sum(spec["proposed"])))
+            self._counter_from_total(self.spec_accepted, "spec_accepted", float(sum(spec["accepted"])))
+            self.spec_mean_len.set(float(spec["mean_accepted_length"]))
+            for pos, rate in enumerate(spec["acceptance_rate_per_position"]):
+                if pos not in self._spec_rate:
+                    self._spec_rate[pos] = self._spec_rate_family.Metric({**self._labels, "position": str(pos)})
+                self._spec_rate[pos].set(float(rate))
 
     def _drain_events(self) -> None:
         while True:

@@ -18,7 +18,10 @@ import pytest
 from glm5.serving.launcher import TritonServerProcess
 from glm5_client import Glm5Client, Glm5ClientError
 
-ENGINE_SETTINGS = {"cache_memory_gb": "0.05", "max_num_seqs": "8", "max_model_len": "2048"}
+# MTP speculative decoding on: the multimodal paths must give the same greedy text with it, and its
+# acceptance metrics must reach the metrics endpoint.
+ENGINE_SETTINGS = {"cache_memory_gb": "0.05", "max_num_seqs": "8", "max_model_len": "2048",
+                   "num_speculative_tokens": "2"}
 GREEDY = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
@@ -158,3 +161,22 @@ def test_stop_request_stops_a_request_running_in_the_ensemble(server):
     res = box["result"]
     assert res.finish_reason == "abort"
     assert 0 < (res.num_output_tokens or 0) < 400
+
+
+def test_speculative_decoding_metrics_are_exported(server):
+    import re
+    import time
+
+    run(server, "glm5", messages=chat("count to ten"))
+    deadline = time.time() + 20
+    while True:
+        text = server.metrics_text()
+        drafts = re.search(r'^glm5:spec_decode_num_draft_tokens_total\{[^}]*\} (\S+)', text, re.M)
+        rates = re.findall(r'^glm5:spec_decode_acceptance_rate\{[^}]*position="(\d)"[^}]*\} (\S+)', text, re.M)
+        if drafts and float(drafts.group(1)) > 0 and len(rates) == 2:
+            break
+        assert time.time() < deadline, "speculative metrics never appeared:\n" + text[-2000:]
+        time.sleep(0.5)
+    assert sorted(p for p, _ in rates) == ["0", "1"]
+    assert all(0.0 <= float(v) <= 1.0 for _, v in rates)
+    assert re.search(r'^glm5:spec_decode_mean_accepted_length\{[^}]*\} (\S+)', text, re.M)

@@ -67,6 +67,14 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer(args.model)
         cache_cfg = CacheConfig(block_size=args.block_size, num_blocks=self._num_blocks(args),
                                 num_state_slots=args.max_num_seqs)
+        # A request can never hold more tokens than the whole cache: cap the length there, so that a
+        # too-long prompt is rejected at admission and generation ends with "length", instead of the
+        # request waiting forever for blocks that cannot exist.
+        capacity = cache_cfg.num_blocks * cache_cfg.block_size
+        self.max_model_len = min(args.max_model_len, capacity)
+        if self.max_model_len < args.max_model_len:
+            logger.warning("max_model_len %d exceeds the cache (%d blocks x %d tokens): capped to %d",
+                           args.max_model_len, cache_cfg.num_blocks, cache_cfg.block_size, self.max_model_len)
         self.runner = ModelRunner(self.model_config, weights, cache_cfg, self.device, self.dtype,
                                   use_mtp=args.num_speculative_tokens > 0)
         self.spec_stats = SpecStats(args.num_speculative_tokens) if args.num_speculative_tokens else None
@@ -191,9 +199,10 @@ class LLMEngine:
         ids, mm, prompt_text = processed if len(processed) == 3 else (*processed, None)
         if not ids:
             raise ValueError("the prompt is empty: send at least one token")
-        if len(ids) >= self.args.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len={self.args.max_model_len} leaves no room "
-                             "to generate; shorten the prompt or raise max_model_len")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len={self.max_model_len} leaves no room "
+                             "to generate; shorten the prompt or raise max_model_len (and the cache: num_cache_blocks "
+                             "/ cache_memory_gb)")
         seq = Sequence(request_id=request_id, prompt_token_ids=ids, params=params,
                        eos_token_ids=self.eos_token_ids, arrival_order=next(self._order), mm=mm)
         if params.seed is not None:
@@ -291,7 +300,7 @@ class LLMEngine:
         p = seq.params
         if p.logprobs is not None:  # logprobs of verified tokens are not computed: no speculation
             return 0
-        room = min(p.max_tokens - len(seq.output_token_ids), self.args.max_model_len - seq.num_tokens)
+        room = min(p.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens)
         return max(0, min(self.args.num_speculative_tokens, room - 1))
 
     def _draft_from(self, seq: Sequence, logits: torch.Tensor) -> int:
@@ -358,14 +367,14 @@ class LLMEngine:
         else:
             m.inter_token_latencies.append(now - (m.last_token_time or now))
         m.last_token_time = now
-        room = self.args.max_model_len - seq.num_tokens
+        room = self.max_model_len - seq.num_tokens
         step = st.proc.add_tokens(tokens[:max(room, 0)])
         accepted = tokens[: step.num_accepted]
         seq.output_token_ids.extend(accepted)
         self.generation_tokens_total += len(accepted)
         reason = step.finish_reason.value if step.finish_reason is not None else None
         text = step.text
-        if reason is None and seq.num_tokens >= self.args.max_model_len:
+        if reason is None and seq.num_tokens >= self.max_model_len:
             reason = "length"
             text += st.proc.detok.flush() + st.proc.stops.flush()
         finished = reason is not None
@@ -386,7 +395,8 @@ class LLMEngine:
             finished_total=self.finished_total, cache_usage=self.blocks.num_used / self.blocks.num_blocks,
             free_state_slots=self.slots.num_free, prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
-            encoder_cache_hits=self.runner.encoder_cache.hits, vision_calls=self.runner.vision_calls)
+            encoder_cache_hits=self.runner.encoder_cache.hits, vision_calls=self.runner.vision_calls,
+            speculative=self.spec_stats.to_dict() if self.spec_stats is not None else None)
 
     def generate(self, prompts: list[PromptInput | str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionOutput]:

@@ -48,6 +48,8 @@ class EngineStats:
     generation_tokens_total: int
     encoder_cache_hits: int = 0
     vision_calls: int = 0
+    # speculative decoding (None when off): SpecStats.to_dict()
+    speculative: dict | None = None
 
 
 @dataclass

@@ -125,6 +125,9 @@ class Scheduler:
             drafts = min(drafts, budget - 1)
             n = min(pending, budget) + drafts
             need = self._blocks_needed(seq, n)
+            if drafts and need > self.blocks.num_free:  # drop the speculation before preempting anyone
+                n, drafts = n - drafts, 0
+                need = self._blocks_needed(seq, n)
             while need > self.blocks.num_free and self.running[-1] is not seq:
                 victim = self.running[-1]
                 self._preempt(victim)
