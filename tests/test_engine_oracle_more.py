@@ -371,7 +371,7 @@ def glm5_generate(args: list[str], home: Path) -> dict:
     """Run ``glm5 generate ... --json`` in a subprocess (HOME redirected) and parse its last stdout line."""
     script = Path(sys.executable).with_name("glm5")
     cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "glm5.cli"]
-    env = {**os.environ, "HOME": str(home), "OMP_NUM_THREADS": "1"}  # see one_thread
+    env = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"), "OMP_NUM_THREADS": "1"}  # see one_thread
     proc = subprocess.run(cmd + ["--log-level", "WARNING", "generate", *args, "--temperature", "0", "--dtype",
                                  "float32", "--device", "cpu", "--json"],
                           capture_output=True, text=True, env=env, timeout=300)
@@ -386,7 +386,7 @@ def test_cli_generate_on_default_tiny_checkpoint(tmp_path):
 
     n = 12
     by_ids = glm5_generate(["--prompt-ids", "1,2,3", "--max-tokens", str(n), "--ignore-eos"], tmp_path)
-    ckpt = tmp_path / ".cache" / "glm5" / "tiny"
+    ckpt = tmp_path / ".cache" / "glm5" / "tiny-checkpoint"
     assert (ckpt / "config.json").is_file(), "glm5 generate should create the default checkpoint"
     hf = Glm5NextForConditionalGeneration.from_pretrained(str(ckpt), dtype=torch.float32).eval()
     hf.config.text_config._attn_implementation = "eager"
