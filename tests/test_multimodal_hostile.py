@@ -18,7 +18,6 @@ import sys
 import textwrap
 import zlib
 from fractions import Fraction
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -330,7 +330,7 @@ class LLMEngine:
             return
         shared = {} if self.model_config.text.index_share_for_mtp_iteration else None
         logits, h = self.runner.mtp_forward(entries, torch.cat(rows), want, shared)
-        drafting, last_rows, offset, k = [], [], 0, 0
+        drafting, last_rows, offset = [], [], 0
         for (seq, lo, nxt), w in zip(entries, want):
             offset += len(nxt)
             if w:
