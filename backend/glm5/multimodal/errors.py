@@ -62,3 +62,11 @@ def _number(value: float) -> str:
     if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
         return f"{int(value):,}"
     return f"{value:.6g}"
+
+
+def check_encoded_size(kind: str, data: bytes, cap: str, limit: int, hint: str) -> None:
+    """Reject empty or over-cap encoded media before anything is parsed."""
+    if len(data) == 0:
+        raise EmptyMediaError(f"{kind} is empty (0 bytes)")
+    if len(data) > limit:
+        raise MediaCapExceededError(f"encoded {kind} size in bytes", cap=cap, value=len(data), limit=limit, hint=hint)

@@ -30,7 +30,7 @@ from PIL import Image, ImageOps
 from PIL import BmpImagePlugin, GifImagePlugin, JpegImagePlugin, PngImagePlugin, WebPImagePlugin  # noqa: F401
 
 from .caps import MediaCaps, ProcessorSettings
-from .errors import EmptyMediaError, MediaCapExceededError, MediaDecodeError
+from .errors import EmptyMediaError, MediaCapExceededError, MediaDecodeError, check_encoded_size
 from .geometry import CanvasPlan, apply_normalization, image_normalization_table, patchify, plan_canvas
 
 logger = logging.getLogger(__name__)
@@ -78,13 +78,8 @@ class ImageProbe:
 def probe_image(data: bytes, caps: MediaCaps, settings: ProcessorSettings | None = None) -> ImageProbe:
     """Open the image lazily, check the caps and plan its canvas; no pixel data is decoded yet."""
     settings = settings or ProcessorSettings()
-    if len(data) == 0:
-        raise EmptyMediaError("image is empty (0 bytes)")
-    if len(data) > caps.max_image_bytes:
-        raise MediaCapExceededError(
-            "encoded image size in bytes", cap="max_image_bytes", value=len(data), limit=caps.max_image_bytes,
-            hint="send a smaller or more compressed image",
-        )
+    check_encoded_size("image", data, "max_image_bytes", caps.max_image_bytes,
+                       "send a smaller or more compressed image")
     try:
         with warnings.catch_warnings():
             # Pillow warns between 1x and 2x its own bomb limit; our cap below is the authority.

@@ -36,7 +36,7 @@ import numpy as np
 
 from .caps import MediaCaps, ProcessorSettings
 from .container import probe_container
-from .errors import EmptyMediaError, MediaCapExceededError, MediaDecodeError
+from .errors import EmptyMediaError, MediaCapExceededError, MediaDecodeError, check_encoded_size
 from .geometry import CanvasPlan, normalized_patches, plan_canvas, video_normalization_table
 
 logger = logging.getLogger(__name__)
@@ -176,13 +176,8 @@ def probe_video(
     own budget (``video_max_tokens``) is tightened to it so the canvas shrinks instead of failing.
     """
     settings = settings or ProcessorSettings()
-    if len(data) == 0:
-        raise EmptyMediaError("video is empty (0 bytes)")
-    if len(data) > caps.max_video_bytes:
-        raise MediaCapExceededError(
-            "encoded video size in bytes", cap="max_video_bytes", value=len(data), limit=caps.max_video_bytes,
-            hint="send a shorter or more compressed video",
-        )
+    check_encoded_size("video", data, "max_video_bytes", caps.max_video_bytes,
+                       "send a shorter or more compressed video")
     stream = probe_container(bytes(data))
     _check_frame_size(stream.width, stream.height, caps, source=f"{stream.container} header")
 
