@@ -461,6 +461,7 @@ class TritonPythonModel:
                                 return_num_input_tokens=_bool(request, "return_num_input_tokens"),
                                 return_num_output_tokens=_bool(request, "return_num_output_tokens"),
                                 return_logprobs=_bool(request, "return_logprobs"))
+        flags.prompt_prefix = text or None
         if flags.return_logprobs and sp.get("logprobs") is None:
             sp["logprobs"] = 0      # the sampled token's logprob only
         params = SamplingParams.from_dict(sp)
@@ -523,8 +524,9 @@ class TritonPythonModel:
                 logprobs.extend(out.logprobs or [])
                 if out.finished:
                     text = "".join(pieces)
-                    if flags.prepend_input and out.prompt_text:
-                        text = out.prompt_text + text
+                    prefix = flags.prompt_prefix if flags.prompt_prefix is not None else out.prompt_text
+                    if flags.prepend_input and prefix:
+                        text = prefix + text
                     self._queue(state, self._response(out, text, n_out, logprobs, flags), _FINAL)
             if out.finished:
                 break

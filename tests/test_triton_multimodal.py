@@ -180,3 +180,18 @@ def test_speculative_decoding_metrics_are_exported(server):
     assert sorted(p for p, _ in rates) == ["0", "1"]
     assert all(0.0 <= float(v) <= 1.0 for _, v in rates)
     assert re.search(r'^glm5:spec_decode_mean_accepted_length\{[^}]*\} (\S+)', text, re.M)
+
+
+def test_non_streaming_output_prepends_text_input_on_both_paths(server, tmp_path):
+    """vllm_backend's rule: without streaming the prompt (``text_input``) is prepended; a chat request
+    with an image must read the same through the direct model and through the ensemble."""
+    image = png_bytes(60, 40, seed=5)
+    texts = []
+    for model in ("glm5", "glm5_multimodal"):
+        with Glm5Client(server.grpc_url, model=model) as c:
+            chunks = list(c.generate_stream("Describe it.", messages=chat("Describe it.", n_images=1),
+                                            images=[image], sampling=GREEDY, stream=False))
+        assert len(chunks) == 1 and chunks[0].final
+        texts.append(chunks[0].text)
+    assert texts[0] == texts[1]
+    assert texts[0].startswith("Describe it.") and len(texts[0]) > len("Describe it.")
