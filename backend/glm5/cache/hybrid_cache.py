@@ -40,7 +40,7 @@ def check_block_size(block_size: int, kpool: int) -> None:
 
 class HybridCache:
     def __init__(self, cfg: TextConfig, cache_cfg: CacheConfig, device: torch.device | str, dtype: torch.dtype,
-                 mla_layers: list[int] | None = None):
+                 mla_layers: list[int] | None = None, index_fp8: bool = False):
         check_block_size(cache_cfg.block_size, cfg.index_kpool)
         self.cfg = cfg
         self.cache_cfg = cache_cfg
@@ -52,8 +52,14 @@ class HybridCache:
         nb, bs, ns = cache_cfg.num_blocks, cache_cfg.block_size, cache_cfg.num_state_slots
         mla_layers = cfg.mla_layer_ids if mla_layers is None else mla_layers
         self.latent = {i: torch.zeros(nb * bs, cfg.kv_lora_rank, device=device, dtype=dtype) for i in mla_layers}
-        self.pool_keys = {i: torch.zeros(nb * self.pools_per_block, cfg.index_head_dim, device=device, dtype=dtype)
+        # exact mode: pooled keys in the model dtype; fp8 mode (glm5.model.fp8_index): Hadamard-rotated
+        # e4m3 keys plus one fp32 power-of-two scale per pool
+        self.index_fp8 = index_fp8
+        key_dtype = torch.float8_e4m3fn if index_fp8 else dtype
+        self.pool_keys = {i: torch.zeros(nb * self.pools_per_block, cfg.index_head_dim, device=device, dtype=key_dtype)
                           for i in mla_layers}
+        self.pool_scales = {i: torch.ones(nb * self.pools_per_block, 1, device=device, dtype=torch.float32)
+                            for i in mla_layers} if index_fp8 else {}
         self.tail = {i: torch.zeros(ns, cfg.index_kpool, 2 * cfg.index_head_dim, device=device, dtype=dtype)
                      for i in mla_layers}
         d = cfg.linear_num_heads * cfg.linear_head_dim
@@ -88,5 +94,5 @@ class HybridCache:
                 t[dst].copy_(t[src])
 
     def nbytes(self) -> int:
-        groups = (self.latent, self.pool_keys, self.tail, self.conv, self.recurrent)
+        groups = (self.latent, self.pool_keys, self.pool_scales, self.tail, self.conv, self.recurrent)
         return sum(t.numel() * t.element_size() for g in groups for t in g.values())

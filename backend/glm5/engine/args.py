@@ -25,6 +25,7 @@ class EngineArgs:
     seed: int = 0
     media_caps: dict | None = None
     load_progress: bool = True
+    index_cache: str = "exact"          # exact (model dtype, selects what transformers does) | fp8
 
     def __post_init__(self) -> None:
         checks = [("max_model_len", self.max_model_len, 1), ("max_num_seqs", self.max_num_seqs, 1),
@@ -38,6 +39,8 @@ class EngineArgs:
             raise ValueError(f"cache_memory_gb={self.cache_memory_gb}: must be a positive number")
         if not 0 <= self.num_speculative_tokens <= 5:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}: must be in 0..5")
+        if self.index_cache not in ("exact", "fp8"):
+            raise ValueError(f"index_cache={self.index_cache!r}: use exact or fp8")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r}: use auto, float32, bfloat16 or float16")
 

@@ -76,7 +76,7 @@ class LLMEngine:
             logger.warning("max_model_len %d exceeds the cache (%d blocks x %d tokens): capped to %d",
                            args.max_model_len, cache_cfg.num_blocks, cache_cfg.block_size, self.max_model_len)
         self.runner = ModelRunner(self.model_config, weights, cache_cfg, self.device, self.dtype,
-                                  use_mtp=args.num_speculative_tokens > 0)
+                                  use_mtp=args.num_speculative_tokens > 0, index_fp8=args.index_cache == "fp8")
         self.spec_stats = SpecStats(args.num_speculative_tokens) if args.num_speculative_tokens else None
         self.blocks = BlockAllocator(cache_cfg.num_blocks)
         self.slots = SlotAllocator(cache_cfg.num_state_slots)

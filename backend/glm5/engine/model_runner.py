@@ -58,7 +58,7 @@ class EncoderCache:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], cache_cfg: CacheConfig,
-                 device: torch.device, dtype: torch.dtype, use_mtp: bool = False):
+                 device: torch.device, dtype: torch.dtype, use_mtp: bool = False, index_fp8: bool = False):
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.model = Glm5ForCausalLM(cfg, weights)
         self.mtp: MTPLayer | None = None
@@ -70,7 +70,7 @@ class ModelRunner:
             layer = cfg.text.mtp_layer_ids[0]
             self.mtp = MTPLayer(cfg, weights, layer, self.model.embed, self.model.lm_head)
             mla_layers.append(layer)
-        self.cache = HybridCache(cfg.text, cache_cfg, device, dtype, mla_layers=mla_layers)
+        self.cache = HybridCache(cfg.text, cache_cfg, device, dtype, mla_layers=mla_layers, index_fp8=index_fp8)
         self.encoder_cache = EncoderCache()
         self.vision_calls = 0
         logger.info("hybrid cache: %d blocks × %d tokens, %d state slots, %.1f MiB", cache_cfg.num_blocks,

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import TextConfig
 from glm5.model.batch import SeqChunk
+from glm5.model.fp8_index import encode_keys, fp8_index_scores
 from glm5.model.norms import layer_norm
 
 
@@ -88,7 +89,13 @@ class KPoolIndexer:
         if n_complete > 0:
             pooled = self.pool(span[: n_complete * kp].view(n_complete, kp, -1))
             pools = torch.arange(first_pool, end_pool, device=raw.device)
-            cache.pool_keys[layer][cache.pool_slots(seq.block_table, pools)] = pooled.to(cache.dtype)
+            slots = cache.pool_slots(seq.block_table, pools)
+            if cache.index_fp8:
+                keys8, scale = encode_keys(pooled)
+                cache.pool_keys[layer][slots] = keys8
+                cache.pool_scales[layer][slots] = scale
+            else:
+                cache.pool_keys[layer][slots] = pooled.to(cache.dtype)
         rest = span[n_complete * kp:]
         tail[: rest.shape[0]] = rest.to(tail.dtype)
 
@@ -115,11 +122,15 @@ class KPoolIndexer:
             chosen[:, : first.shape[0]] = first
             chosen &= candidate
         else:
-            pooled = cache.pool_keys[layer][cache.pool_slots(seq.block_table, torch.arange(n_pools, device=device))]
+            slots = cache.pool_slots(seq.block_table, torch.arange(n_pools, device=device))
+            pooled = cache.pool_keys[layer][slots]
             q = F.linear(q_resid, self.wq_b).view(-1, self.n_heads, self.head_dim)
-            scores = F.relu(torch.matmul(q.float(), pooled.float().t()) * self.head_dim ** -0.5)  # [n, h, P]
             w = F.linear(x.to(self.w_heads.dtype), self.w_heads).float() * self.n_heads ** -0.5
-            index_scores = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)  # [n, P]
+            if cache.index_fp8:
+                index_scores = fp8_index_scores(q, w, pooled, cache.pool_scales[layer][slots], self.head_dim ** -0.5)
+            else:
+                scores = F.relu(torch.matmul(q.float(), pooled.float().t()) * self.head_dim ** -0.5)  # [n, h, P]
+                index_scores = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)  # [n, P]
             index_scores = index_scores.masked_fill(~candidate, torch.finfo(index_scores.dtype).min)
             # Ties are real (a pool whose every head dot product is negative scores exactly 0 after the
             # ReLU): break them by pool id (stable sort) so that a request's selection does not depend on
