@@ -1,0 +1,498 @@
+"""Fused routed-expert MoE (grouped GEMM over sorted token/expert pairs), with its torch reference.
+
+For token ``t`` with routed experts ``e_k`` and fp32 weights ``w_k``::
+
+    out[t] = Σ_k w_k · W_down[e_k] @ clamped_swiglu(W_gate[e_k] @ x_t, W_up[e_k] @ x_t, limit)
+    clamped_swiglu(g, u) = silu(min(g, limit)) * clamp(u, -limit, limit)
+
+Design (the structure of vLLM's ``fused_moe``, written for separate gate/up tensors):
+
+1. :func:`moe_align_block_size` sorts the ``T*k`` (token, slot) pairs by expert on the device and
+   pads each expert's group to a multiple of ``BLOCK_M`` so every ``BLOCK_M`` row block belongs to
+   exactly one expert. The row buffer is sized for the worst case from shapes alone, and the real
+   padded total stays on the device: kernels read it and surplus programs exit at once. No host
+   sync, so the whole forward is CUDA-graph capturable.
+2. ``_moe_gate_up_kernel``: per row block, gather the tokens' rows of ``x`` and multiply by the
+   expert's gate *and* up tiles (two accumulators sharing the A tile; gate and up stay separate
+   tensors because a concatenated copy of ~72 GB of experts does not fit), apply the clamped SwiGLU
+   in the epilogue and write ``h[pair]`` in ``x.dtype`` (the reference rounds there too).
+3. ``_moe_down_kernel``: ``h[pair] @ W_downᵀ`` times the pair's routing weight, written to
+   ``y[pair]`` in (token, slot) order, so step 4 is a plain deterministic ``sum`` over the k slots
+   (no atomics: same result on every run and on graph replay).
+
+fp32 inputs use ``input_precision="ieee"`` (the fp32 mode is compared token for token with an
+oracle); bf16/fp16 use tensor cores with fp32 accumulation.
+
+Launch configs come from a tuning table (``configs/fused_moe_E{E}_H{H}_I{I}_{dtype}_{device}.json``,
+written by ``bench/tune_fused_moe.py``), keyed by token count; the nearest entry is used, else
+:func:`default_config`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+logger = logging.getLogger(__name__)
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on H100/H200
+TILE_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+CONFIG_KEYS = ("BLOCK_SIZE_M",) + TILE_KEYS
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+# ----------------------------------------------------------------------------------------------
+# torch reference
+# ----------------------------------------------------------------------------------------------
+
+def clamped_swiglu_ref(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """GLM-5.3-Flash SwiGLU: the gate is clamped from above, the up projection on both sides."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def fused_moe_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, swiglu_limit: float,
+                  compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Per-expert loop (like ``MoE.__call__``'s routed part): ``x [T, H]`` → ``[T, H]``.
+
+    Computes in ``x.dtype`` and returns ``x.dtype`` unless ``compute_dtype`` is given; then each
+    expert's weights are upcast one at a time (no full fp64 copy of the experts) and the result is
+    returned in ``compute_dtype`` — the oracle for tests and the tuner. Host-syncing; not for serving.
+    """
+    dt = compute_dtype or x.dtype
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    acc_dt = torch.float64 if dt == torch.float64 else torch.float32
+    out = torch.zeros(t, h, dtype=acc_dt, device=x.device)
+    flat_e = topk_ids.reshape(-1)
+    token_of = torch.arange(t, device=x.device).repeat_interleave(k)
+    flat_w = topk_weights.reshape(-1).to(acc_dt)
+    xc = x.to(dt)
+    for e in torch.unique(flat_e).tolist():
+        sel = (flat_e == e).nonzero().squeeze(1)
+        toks = token_of[sel]
+        xe = xc[toks]
+        hid = clamped_swiglu_ref(F.linear(xe, w_gate[e].to(dt)), F.linear(xe, w_up[e].to(dt)), swiglu_limit)
+        y = F.linear(hid, w_down[e].to(dt)).to(acc_dt) * flat_w[sel, None]
+        out.index_add_(0, toks, y)
+    return out.to(dt)
+
+
+def moe_forward_flops_bytes(t: int, e_touched: int, h: int, i: int, k: int, elem: int) -> tuple[int, int]:
+    """(FLOPs, fewest bytes) of one routed-MoE forward: the touched experts' weights once, plus the
+    activations (x read, h written + read, per-slot y written + read, output written)."""
+    pairs = t * k
+    flops = 2 * pairs * 3 * h * i
+    weights = e_touched * 3 * h * i * elem
+    acts = t * h * elem + 2 * pairs * i * elem + 2 * pairs * h * elem + t * h * elem + pairs * (4 + 8)
+    return flops, weights + acts
+
+
+# ----------------------------------------------------------------------------------------------
+# token alignment (device-side, sync-free)
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AlignedRouting:
+    """(token, slot) pairs grouped by expert in ``block_m``-row blocks.
+
+    ``sorted_ids[r]`` is the flat pair index ``token * top_k + slot`` of row ``r``, or ``num_pairs``
+    for a padding row; ``block_expert[b]`` is the expert of rows ``[b*block_m, (b+1)*block_m)``;
+    ``total_rows`` ([1], on the device) is the real padded row count — blocks at or beyond it are
+    unused (their ``block_expert`` is clamped to a valid expert but never read)."""
+
+    sorted_ids: torch.Tensor    # [max_rows] int32
+    block_expert: torch.Tensor  # [max_rows // block_m] int32
+    total_rows: torch.Tensor    # [1] int64
+    block_m: int
+    num_pairs: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.sorted_ids.numel() // self.block_m
+
+
+def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Worst-case padded row count: each non-empty expert (at most min(E, pairs) of them) wastes at
+    most ``block_m - 1`` rows. Static in the shapes, so grids never depend on routing."""
+    worst = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return triton.cdiv(worst, block_m) * block_m
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedRouting:
+    """Sort the pairs of ``topk_ids [T, k]`` by expert (stable: token order within an expert) and pad
+    each group to a multiple of ``block_m``; torch ops only, no host sync (graph capturable).
+
+    Expert ids must lie in ``[0, num_experts)`` (not checked: checking would sync)."""
+    if block_m < 1:
+        raise ValueError(f"block_m={block_m} must be positive")
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1)
+    n = flat.numel()
+    sorted_e, order = torch.sort(flat, stable=True)
+    bounds = torch.searchsorted(sorted_e, torch.arange(num_experts + 1, device=device, dtype=sorted_e.dtype))
+    counts = bounds[1:] - bounds[:-1]
+    padded = (counts + (block_m - 1)) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    rank = torch.arange(n, device=device) - bounds.index_select(0, sorted_e)
+    dest = (pad_end - padded).index_select(0, sorted_e) + rank
+    max_rows = max_padded_rows(n, num_experts, block_m)
+    sorted_ids = torch.full((max_rows,), n, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    block_starts = torch.arange(0, max_rows, block_m, device=device, dtype=pad_end.dtype)
+    block_expert = torch.searchsorted(pad_end, block_starts, right=True).clamp_(max=num_experts - 1)
+    return AlignedRouting(sorted_ids=sorted_ids, block_expert=block_expert.to(torch.int32),
+                          total_rows=pad_end[-1:], block_m=block_m, num_pairs=n)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _block_coords(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped ordering: GROUP_M row blocks walk the N blocks together so their A tiles stay in L2."""
+    width = GROUP_M * num_pid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
+def _moe_gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr,
+                        num_pairs, num_pid_m, N, K, limit,
+                        stride_xm, stride_we, stride_wn, stride_hm,
+                        TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+    """h[pair, n] = clamped_swiglu(x[token] · W_gate[e, n], x[token] · W_up[e, n]); N = I, K = H."""
+    pid = tl.program_id(0)
+    pid_m, pid_n = _block_coords(pid, num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = rows < num_pairs
+    tok = (rows // TOP_K).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Columns past N wrap onto valid weight rows (their results are never stored): no mask on B.
+    w_off = expert * stride_we + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
+    g_ptrs = wg_ptr + w_off
+    u_ptrs = wu_ptr + w_off
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            bg = tl.load(g_ptrs)
+            bu = tl.load(u_ptrs)
+        else:
+            k_ok = offs_k < K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+            bu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+        if IEEE:
+            acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, bg, acc_g)
+            acc_u = tl.dot(a, bu, acc_u)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    g = tl.minimum(acc_g, limit)
+    u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    hid = g * tl.sigmoid(g) * u
+    h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
+    tl.store(h_ptrs, hid.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
+def _moe_down_kernel(h_ptr, wd_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr,
+                     num_pairs, num_pid_m, N, K,
+                     stride_hm, stride_we, stride_wn, stride_ym,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+    """y[pair, n] = w[pair] · (h[pair] · W_down[e, n]); N = H, K = I."""
+    pid = tl.program_id(0)
+    pid_m, pid_n = _block_coords(pid, num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = rows < num_pairs
+    rows64 = rows.to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + rows64[:, None] * stride_hm + offs_k[None, :]
+    b_ptrs = wd_ptr + expert * stride_we + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k < K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    w = tl.load(topk_w_ptr + rows64, mask=row_ok, other=0.0)
+    acc = acc * w[:, None]
+    y_ptrs = y_ptr + rows64[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# configs
+# ----------------------------------------------------------------------------------------------
+
+def default_config(num_tokens: int, top_k: int, num_experts: int,
+                   dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """Heuristic when no tuning table exists: the block height follows the mean rows per expert
+    (decode: 16-row blocks, the tl.dot minimum, wide K tiles to stream weights); prefill: big tiles.
+
+    fp32 (the oracle mode, ieee dots without tensor cores) gets small tiles: the bf16 prefill tiles
+    need 255 registers per thread in bf16 already and spill heavily in fp32 (checked with ptxas, sm_90)."""
+    per_expert = num_tokens * top_k / max(num_experts, 1)
+    if dtype == torch.float32:
+        return {"BLOCK_SIZE_M": 16 if per_expert <= 4 else 32 if per_expert <= 32 else 64, "BLOCK_SIZE_N": 64,
+                "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 1 if per_expert <= 4 else 8, "num_warps": 4, "num_stages": 3}
+    if per_expert <= 4:
+        return {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+                "num_warps": 4, "num_stages": 4}
+    if per_expert <= 32:
+        return {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 4,
+                "num_warps": 4, "num_stages": 4}
+    if per_expert <= 128:
+        return {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8,
+                "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8,
+            "num_warps": 8, "num_stages": 3,
+            "down": {"BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "num_warps": 8, "num_stages": 4}}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"fused_moe dtype {dtype}: use bf16, fp16 or fp32")
+    return _DTYPE_NAMES[dtype]
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device_type: str, index: int | None) -> str:
+    if device_type != "cuda":
+        return device_type
+    return torch.cuda.get_device_name(index).replace(" ", "_")
+
+
+def device_name(device: torch.device) -> str:
+    """Name used in config file names, e.g. ``NVIDIA_H200``."""
+    return _device_name(device.type, device.index)
+
+
+def config_file_name(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, dev_name: str) -> str:
+    return f"fused_moe_E{num_experts}_H{hidden}_I{inter}_{dtype_name(dtype)}_{dev_name}.json"
+
+
+def validate_config(cfg: dict[str, Any]) -> None:
+    """Raise ValueError naming the bad entry; ``cfg`` may carry a ``down`` dict overriding TILE_KEYS."""
+    for key in CONFIG_KEYS:
+        if key not in cfg:
+            raise ValueError(f"fused_moe config {cfg} lacks {key!r} (needs {', '.join(CONFIG_KEYS)})")
+    for src in (cfg, cfg.get("down", {})):
+        for key in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"):
+            v = src.get(key)
+            if v is not None and (not isinstance(v, int) or v < 16 or v & (v - 1)):
+                raise ValueError(f"fused_moe config {key}={v!r}: must be a power of two >= 16 (tl.dot minimum)")
+        for key in ("GROUP_SIZE_M", "num_warps", "num_stages"):
+            v = src.get(key)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"fused_moe config {key}={v!r}: must be a positive int")
+    unknown = set(cfg.get("down", {})) - set(TILE_KEYS)
+    if unknown:
+        raise ValueError(f"fused_moe config 'down' has keys {sorted(unknown)}; only {', '.join(TILE_KEYS)} "
+                         "may differ (BLOCK_SIZE_M is shared by the alignment)")
+
+
+@functools.lru_cache(maxsize=None)
+def load_config_table(num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
+                      dev_name: str) -> tuple[tuple[int, dict[str, Any]], ...] | None:
+    """Tuning table for this shape/dtype/device as sorted ``(M, config)`` pairs, or None if absent.
+    Non-numeric keys (e.g. ``"_meta"``) are ignored. Callers must not mutate the configs."""
+    path = CONFIG_DIR / config_file_name(num_experts, hidden, inter, dtype, dev_name)
+    if not path.exists():
+        logger.info("no fused_moe tuning table %s; using the default heuristic", path.name)
+        return None
+    raw = json.loads(path.read_text())
+    table = []
+    for key, cfg in raw.items():
+        if key.isdigit():
+            validate_config(cfg)
+            table.append((int(key), cfg))
+    if not table:
+        raise ValueError(f"{path} has no numeric M entries; rerun bench/tune_fused_moe.py")
+    logger.info("fused_moe: loaded %d tuned configs from %s", len(table), path.name)
+    return tuple(sorted(table, key=lambda kv: kv[0]))
+
+
+def select_config(table: tuple[tuple[int, dict[str, Any]], ...], num_tokens: int) -> dict[str, Any]:
+    """The entry whose M is nearest ``num_tokens`` (ties → the smaller M), as a fresh dict."""
+    _, cfg = min(table, key=lambda kv: (abs(kv[0] - num_tokens), kv[0]))
+    return json.loads(json.dumps(cfg))
+
+
+def get_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
+               dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+    table = load_config_table(num_experts, hidden, inter, dtype, device_name(device))
+    if table is None:
+        return default_config(num_tokens, top_k, num_experts, dtype)
+    return select_config(table, num_tokens)
+
+
+def _fit(block: int, dim: int) -> int:
+    """Never tile wider than the (power-of-two-rounded) dimension: saves work at small test shapes."""
+    return min(block, max(16, triton.next_power_of_2(dim)))
+
+
+
+def _fit_smem(block_m: int, block_n: int, block_k: int, stages: int, b_tiles: int, elem: int) -> tuple[int, int]:
+    """Shrink (BLOCK_K, then stages) until ``stages`` buffered A+B tiles fit in shared memory, so a
+    bf16-tuned config reused for fp32 (twice the bytes) degrades instead of failing to launch."""
+    while stages * (block_m * block_k + b_tiles * block_k * block_n) * elem > SMEM_LIMIT:
+        if block_k > 32:
+            block_k //= 2
+        elif stages > 2:
+            stages -= 1
+        else:
+            break
+    return block_k, stages
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+
+def moe_gate_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, routing: AlignedRouting,
+                top_k: int, swiglu_limit: float, cfg: dict[str, Any], out: torch.Tensor | None = None) -> torch.Tensor:
+    """First GEMM + clamped SwiGLU: ``h [T*k, I]`` in ``x.dtype`` (pair order; rows of unrouted pairs
+    are never written, but every pair is routed)."""
+    t, hidden = x.shape
+    inter = w_gate.shape[1]
+    h = out if out is not None else torch.empty(t * top_k, inter, device=x.device, dtype=x.dtype)
+    bn, bk = _fit(cfg["BLOCK_SIZE_N"], inter), _fit(cfg["BLOCK_SIZE_K"], hidden)
+    bk, stages = _fit_smem(routing.block_m, bn, bk, cfg["num_stages"], 2, x.element_size())
+    grid = (routing.num_blocks * triton.cdiv(inter, bn),)
+    _moe_gate_up_kernel[grid](
+        x, w_gate, w_up, h, routing.sorted_ids, routing.block_expert, routing.total_rows,
+        routing.num_pairs, routing.num_blocks, inter, hidden, float(swiglu_limit),
+        x.stride(0), w_gate.stride(0), w_gate.stride(1), h.stride(0),
+        TOP_K=top_k, BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
+        EVEN_K=hidden % bk == 0, IEEE=x.dtype == torch.float32,
+        num_warps=cfg["num_warps"], num_stages=stages)
+    return h
+
+
+def moe_down(h: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, routing: AlignedRouting,
+             cfg: dict[str, Any], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Second GEMM times the routing weight: ``y [T*k, H]`` in ``h.dtype`` (pair order)."""
+    pairs, inter = h.shape
+    hidden = w_down.shape[1]
+    y = out if out is not None else torch.empty(pairs, hidden, device=h.device, dtype=h.dtype)
+    bn, bk = _fit(cfg["BLOCK_SIZE_N"], hidden), _fit(cfg["BLOCK_SIZE_K"], inter)
+    bk, stages = _fit_smem(routing.block_m, bn, bk, cfg["num_stages"], 1, h.element_size())
+    grid = (routing.num_blocks * triton.cdiv(hidden, bn),)
+    _moe_down_kernel[grid](
+        h, w_down, y, topk_weights, routing.sorted_ids, routing.block_expert, routing.total_rows,
+        routing.num_pairs, routing.num_blocks, hidden, inter,
+        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
+        EVEN_K=inter % bk == 0, IEEE=h.dtype == torch.float32,
+        num_warps=cfg["num_warps"], num_stages=stages)
+    return y
+
+
+def down_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The second kernel's tiles: ``cfg`` with its optional ``down`` overrides applied."""
+    return {**{k: cfg[k] for k in CONFIG_KEYS}, **cfg.get("down", {})}
+
+
+def _check_inputs(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x has shape {tuple(x.shape)}; flatten it to [tokens, hidden]")
+    t, hidden = x.shape
+    if w_gate.dim() != 3 or w_up.shape != w_gate.shape:
+        raise ValueError(f"w_gate {tuple(w_gate.shape)} / w_up {tuple(w_up.shape)} must both be [E, I, H]")
+    e, inter, h2 = w_gate.shape
+    if h2 != hidden or tuple(w_down.shape) != (e, hidden, inter):
+        raise ValueError(f"expert shapes w_gate {tuple(w_gate.shape)}, w_down {tuple(w_down.shape)} do not fit "
+                         f"x {tuple(x.shape)}: need [E, I, H] and [E, H, I] with H={hidden}")
+    if hidden % 16 or inter % 16:
+        raise ValueError(f"fused_moe needs H and I to be multiples of 16 (tl.dot tiles), got H={hidden}, I={inter}; "
+                         "use the torch MoE backend for this shape")
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if w.dtype != x.dtype:
+            raise ValueError(f"{name} dtype {w.dtype} != x dtype {x.dtype}; cast x to the model dtype")
+        if w.stride(-1) != 1 or w.stride(1) != w.shape[2] or w.device != x.device:
+            raise ValueError(f"{name} must be a row-major [E, rows, cols] tensor on {x.device} (strides "
+                             f"{w.stride()}); load the experts contiguously (a copy would not fit at full size)")
+    if w_up.stride() != w_gate.stride():
+        raise ValueError(f"w_up strides {w_up.stride()} != w_gate strides {w_gate.stride()}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} must both be "
+                         f"[T={t}, top_k]")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids dtype {topk_ids.dtype}: use int32 or int64")
+    dtype_name(x.dtype)
+
+
+def fused_moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, swiglu_limit: float | None,
+              config: dict[str, Any] | None = None) -> torch.Tensor:
+    """Routed-expert forward of ``x [T, H]`` → ``[T, H]`` in ``x.dtype`` (see module docstring).
+
+    ``w_gate``/``w_up`` ``[E, I, H]`` and ``w_down`` ``[E, H, I]`` in ``x.dtype``; ``topk_weights``
+    ``[T, k]`` (any float dtype, used in fp32) and ``topk_ids`` ``[T, k]`` (distinct per token, in
+    ``[0, E)``). ``config`` overrides the tuned/default launch config. No host sync."""
+    _check_inputs(x, w_gate, w_up, w_down, topk_weights, topk_ids)
+    t, hidden = x.shape
+    e, inter, _ = w_gate.shape
+    top_k = topk_ids.shape[1]
+    if t == 0 or top_k == 0:
+        return torch.zeros_like(x)
+    if config is None:
+        config = get_config(t, top_k, e, hidden, inter, x.dtype, x.device)
+    else:
+        validate_config(config)
+    limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
+    x = x.contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    routing = moe_align_block_size(topk_ids, e, config["BLOCK_SIZE_M"])
+    h = moe_gate_up(x, w_gate, w_up, routing, top_k, limit, config)
+    y = moe_down(h, w_down, weights, routing, down_config(config))
+    if top_k == 1:
+        return y
+    return y.view(t, top_k, hidden).sum(dim=1)
+
+
+__all__ = ["AlignedRouting", "fused_moe", "fused_moe_ref", "moe_align_block_size", "moe_forward_flops_bytes",
+           "get_config", "default_config", "select_config", "load_config_table", "config_file_name",
+           "max_padded_rows", "moe_gate_up", "moe_down", "down_config", "CONFIG_DIR"]

@@ -1,0 +1,295 @@
+"""Batched kpool-indexer scoring and token selection for decode (and prefill rows), with torch references.
+
+Per query row ``n`` (its request's block-table row ``row_seq[n]``, ``n_complete[n]`` visible pools):
+
+  score[n, p] = Σ_h w[n,h] · relu(softmax_scale · q[n,h]·K_p)      p < n_complete[n]   (exact mode, fp32 dots)
+              = fp8_index_scores' math                                                (fp8 mode)
+  score[n, p] = -inf                                                 p ≥ n_complete[n]
+
+then the top ``n_select`` pools by (score desc, pool id asc) — the set ``torch.sort(stable=True)`` picks in
+:meth:`glm5.model.indexer.KPoolIndexer.visible`, exact ties included — expanded to the latent rows of their
+tokens, plus the query's own incomplete pool (tokens ``n_complete*kpool .. pos``); ``-1`` pads the rest.
+
+Everything is sync-free with shapes fixed by the arguments (``max_pools`` is a Python int), so a decode step
+can be captured in a CUDA graph. The score kernel puts (row, chunk of pools) in the grid and does all heads
+of a row in one ``tl.dot [Hi, d] x [d, BLOCK_P]``; tiles past ``n_complete`` only store ``-inf``.
+Selection uses ``torch.topk`` on a composite int64 key (order-preserving score bits, then reversed pool id)
+that makes every key distinct, so its choice equals the stable sort's without sorting all pools.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from glm5.model.fp8_index import fp8_index_scores, quantize_e4m3
+from glm5_kernels.kpool import hadamard_matrix, interpreting
+
+
+# ---------------------------------------------------------------------------------------------- references
+def pool_rows(block_tables: torch.Tensor, pools: torch.Tensor, ppb: int) -> torch.Tensor:
+    """Pool-key rows of pool ids ``pools`` for block-table row(s) ``block_tables`` (HybridCache.pool_slots)."""
+    return block_tables.long()[..., pools // ppb] * ppb + pools % ppb
+
+
+def indexer_scores_ref(q: torch.Tensor, head_w: torch.Tensor, pool_keys: torch.Tensor,
+                       pool_scales: torch.Tensor | None, block_tables: torch.Tensor, row_seq: torch.Tensor,
+                       n_complete: torch.Tensor, ppb: int, softmax_scale: float, max_pools: int) -> torch.Tensor:
+    """Reference of :func:`indexer_scores`: per row, gather its pools and score them as
+    :meth:`KPoolIndexer.visible` does; ``[N, max_pools]`` fp32 with ``-inf`` at ``p >= n_complete``."""
+    n = q.shape[0]
+    pools = torch.arange(max_pools, device=q.device)
+    out = torch.empty(n, max_pools, device=q.device, dtype=torch.float32)
+    for i in range(n):
+        bt = block_tables[row_seq[i].long()]
+        rows = pool_rows(bt, pools.clamp(max=block_tables.shape[1] * ppb - 1), ppb)
+        keys = pool_keys[rows]
+        if pool_scales is None:
+            s = torch.relu(torch.matmul(q[i].float(), keys.float().t()) * softmax_scale)    # [h, P]
+            out[i] = torch.matmul(head_w[i].float().unsqueeze(0), s).squeeze(0)
+        else:
+            out[i] = fp8_index_scores(q[i: i + 1], head_w[i: i + 1], keys, pool_scales[rows], softmax_scale)[0]
+    return out.masked_fill(pools[None, :] >= n_complete.long()[:, None], float("-inf"))
+
+
+def select_token_slots_ref(scores: torch.Tensor, n_complete: torch.Tensor, positions: torch.Tensor,
+                           block_tables: torch.Tensor, row_seq: torch.Tensor, n_select: int, kpool: int,
+                           block_size: int) -> torch.Tensor:
+    """Reference of :func:`select_token_slots`, by way of :meth:`KPoolIndexer.visible`'s boolean mask:
+    stable descending sort → chosen pools → chosen token positions (pools ∪ tail) → their latent rows,
+    compacted to the front (in position order), ``-1`` after. Sync-free, so it also serves as the torch path."""
+    n, max_pools = scores.shape
+    device = scores.device
+    nc, pos = n_complete.long(), positions.long()
+    pools = torch.arange(max_pools, device=device)
+    candidate = pools[None, :] < nc[:, None]
+    masked = scores.masked_fill(~candidate, float("-inf"))
+    top = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, : min(n_select, max_pools)]
+    chosen = torch.zeros_like(candidate).scatter_(1, top, True) & candidate               # [N, P]
+    n_tok = (max_pools + 1) * kpool                                   # positions a row can see: < (nc+1)*kpool
+    tok = torch.arange(n_tok, device=device)
+    chosen_tok = torch.zeros(n, n_tok, dtype=torch.bool, device=device)
+    chosen_tok[:, : max_pools * kpool] = chosen.repeat_interleave(kpool, dim=1)
+    chosen_tok |= (tok[None, :] >= (nc * kpool)[:, None]) & (tok[None, :] <= pos[:, None])
+    width = n_select * kpool + kpool - 1
+    order = torch.sort((~chosen_tok).to(torch.int8), dim=1, stable=True).indices[:, :width]   # chosen first
+    if order.shape[1] < width:
+        order = torch.cat([order, order.new_zeros(n, width - order.shape[1])], dim=1)
+    keep = torch.gather(chosen_tok, 1, order) & (torch.arange(width, device=device) < n_tok)[None, :]
+    bt = block_tables.long()[row_seq.long()]
+    blk_col = (order // block_size).clamp(max=bt.shape[1] - 1)
+    slots = torch.gather(bt, 1, blk_col) * block_size + order % block_size
+    return torch.where(keep, slots, torch.full_like(slots, -1)).to(torch.int32)
+
+
+def count_selected(positions: torch.Tensor | Sequence[int] | int, n_select: int,
+                   kpool: int) -> torch.Tensor | list[int] | int:
+    """Valid entries per row of :func:`select_token_slots` for queries at ``positions``:
+    ``min((pos+1)//kpool, n_select)*kpool + (pos+1) % kpool``. Pure arithmetic on the positions, so a host
+    planner (FlashInfer) can size its work without reading the device."""
+    def one(p: int) -> int:
+        return min((p + 1) // kpool, n_select) * kpool + (p + 1) % kpool
+    if isinstance(positions, torch.Tensor):
+        p1 = positions.long() + 1
+        return torch.clamp(torch.div(p1, kpool, rounding_mode="floor"), max=n_select) * kpool + p1 % kpool
+    if isinstance(positions, int):
+        return one(positions)
+    return [one(int(p)) for p in positions]
+
+
+# ---------------------------------------------------------------------------------------------- scores
+@triton.jit
+def _index_scores_kernel(q_ptr, w_ptr, keys_ptr, kscale_ptr, bt_ptr, row_seq_ptr, nc_ptr, out_ptr,
+                         softmax_scale, max_pools, MB, ppb,
+                         stride_qn, stride_qh, stride_wn, stride_key, stride_bt, stride_on,
+                         HI: tl.constexpr, HI_PAD: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
+                         TILES: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+                         UPCAST: tl.constexpr):
+    n = tl.program_id(0)
+    chunk = tl.program_id(1)
+    nc = tl.load(nc_ptr + n).to(tl.int32)
+    bt_row = tl.load(row_seq_ptr + n).to(tl.int64)
+    hh = tl.arange(0, HI_PAD)
+    dd = tl.arange(0, D)
+    hmask = hh < HI
+    q = tl.load(q_ptr + n * stride_qn + hh[:, None] * stride_qh + dd[None, :], mask=hmask[:, None], other=0.0)
+    if FP8:
+        q = q.to(tl.bfloat16)                     # e4m3 → bf16 is exact; bf16 products are exact in fp32
+    if UPCAST:
+        q = q.to(tl.float32)                      # the interpreter's bf16 dot is wrong; fp32 holds bf16 exactly
+    w = tl.load(w_ptr + n * stride_wn + hh, mask=hmask, other=0.0)
+    for t in range(TILES):
+        p0 = (chunk * TILES + t) * BLOCK_P
+        offs = p0 + tl.arange(0, BLOCK_P)
+        if p0 < nc:
+            valid = offs < nc
+            col = tl.minimum(offs // ppb, MB - 1)
+            blk = tl.load(bt_ptr + bt_row * stride_bt + col, mask=valid, other=0).to(tl.int64)
+            rows = blk * ppb + offs % ppb
+            k = tl.load(keys_ptr + rows[:, None] * stride_key + dd[None, :], mask=valid[:, None], other=0.0)
+            if FP8:
+                k = k.to(tl.bfloat16)
+            if UPCAST:
+                k = k.to(tl.float32)
+            if IEEE or UPCAST:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")          # [HI_PAD, BLOCK_P]
+            else:
+                s = tl.dot(q, tl.trans(k))
+            if FP8:   # w already holds q_scale * softmax_scale; the key scale multiplies the head sum
+                score = tl.sum(w[:, None] * tl.maximum(s, 0.0), axis=0)
+                score = score * tl.load(kscale_ptr + rows, mask=valid, other=1.0)
+            else:
+                score = tl.sum(w[:, None] * tl.maximum(s * softmax_scale, 0.0), axis=0)
+            score = tl.where(valid, score, float("-inf"))
+        else:
+            score = tl.full([BLOCK_P], float("-inf"), tl.float32)
+        tl.store(out_ptr + n * stride_on + offs, score, mask=offs < max_pools)
+
+
+def _fp8_query(q: torch.Tensor, head_w: torch.Tensor, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query side of fp8 mode (as fp8_index_scores): rotated, per-head e4m3; scale folded into the weights.
+    The rotation uses the cached device matrix (no host→device copy, so it can run inside a graph capture)."""
+    h = hadamard_matrix(q.shape[-1], q.device)
+    q8, qs = quantize_e4m3((q.float() @ h).to(torch.bfloat16))
+    return q8, head_w.float() * qs.squeeze(-1) * softmax_scale
+
+
+def indexer_scores(q: torch.Tensor, head_w: torch.Tensor, pool_keys: torch.Tensor, pool_scales: torch.Tensor | None,
+                   block_tables: torch.Tensor, row_seq: torch.Tensor, n_complete: torch.Tensor, ppb: int,
+                   softmax_scale: float, max_pools: int, block_p: int = 64) -> torch.Tensor:
+    """Index scores ``[N, max_pools]`` fp32 of queries ``q [N, Hi, d]`` (model dtype) with head weights
+    ``head_w [N, Hi]`` fp32 (already × Hi^-0.5) against the pools of block-table row ``row_seq[n]``
+    (``block_tables [S, MB]`` int32, ``ppb`` pools per block); ``-inf`` at ``p >= n_complete[n]``.
+    fp8 mode iff ``pool_scales`` is given (``pool_keys`` e4m3). Sync-free; the grid depends on shapes only.
+    The first fp8 call on a device builds the Hadamard matrix there: make it before a CUDA-graph capture."""
+    n, hi, d = q.shape
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"index_head_dim={d} must be a power of two >= 16 for the Triton kernel; use indexer_scores_ref")
+    fp8 = pool_scales is not None
+    if fp8 != (pool_keys.dtype == torch.float8_e4m3fn) or pool_keys.shape[-1] != d or pool_keys.stride(-1) != 1:
+        raise ValueError(f"pool_keys {pool_keys.dtype} {tuple(pool_keys.shape)} with pool_scales "
+                         f"{'given' if fp8 else 'None'}: fp8 mode needs e4m3 keys and scales, exact mode neither; "
+                         f"width must be {d}")
+    if not fp8 and q.dtype != pool_keys.dtype:
+        raise ValueError(f"q is {q.dtype} but pool_keys are {pool_keys.dtype}; cast q to the model dtype")
+    if head_w.shape != (n, hi) or row_seq.shape != (n,) or n_complete.shape != (n,):
+        raise ValueError(f"head_w {tuple(head_w.shape)}, row_seq {tuple(row_seq.shape)}, n_complete "
+                         f"{tuple(n_complete.shape)} must be [{n}, {hi}], [{n}], [{n}]")
+    out = torch.empty(n, max_pools, device=q.device, dtype=torch.float32)
+    if n == 0 or max_pools == 0:
+        return out
+    if fp8:
+        q, w = _fp8_query(q, head_w, softmax_scale)
+    else:
+        w = head_w.float()
+    q, w = q.contiguous(), w.contiguous()
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    n_tiles = triton.cdiv(max_pools, block_p)
+    # several tiles per program when there are many rows: the query is loaded once per program
+    tiles = 1
+    while tiles < 16 and tiles * 2 <= n_tiles and n * triton.cdiv(n_tiles, tiles * 2) >= 2048:
+        tiles *= 2
+    grid = (n, triton.cdiv(n_tiles, tiles))
+    _index_scores_kernel[grid](
+        q, w, pool_keys, pool_scales if fp8 else w, block_tables, row_seq, n_complete, out,
+        softmax_scale, max_pools, block_tables.shape[1], ppb,
+        q.stride(0), q.stride(1), w.stride(0), pool_keys.stride(0), block_tables.stride(0), out.stride(0),
+        HI=hi, HI_PAD=max(16, triton.next_power_of_2(hi)), D=d, BLOCK_P=block_p, TILES=tiles, FP8=fp8,
+        IEEE=q.dtype == torch.float32, UPCAST=interpreting(), num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- selection
+def _order_key(scores: torch.Tensor) -> torch.Tensor:
+    """Distinct int64 keys ordered like (score desc, pool id asc): order-preserving bits of the score in the
+    high half, ``P-1-id`` in the low half. ``+ 0.0`` folds -0.0 into +0.0 (they compare equal in the sort)."""
+    p = scores.shape[1]
+    bits = (scores + 0.0).view(torch.int32)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
+    rev_id = (p - 1) - torch.arange(p, device=scores.device, dtype=torch.int64)
+    return (ordered << 32) | rev_id
+
+
+def select_token_slots(scores: torch.Tensor, n_complete: torch.Tensor, positions: torch.Tensor,
+                       block_tables: torch.Tensor, row_seq: torch.Tensor, n_select: int, kpool: int,
+                       block_size: int) -> torch.Tensor:
+    """Latent rows each query attends to: ``[N, n_select*kpool + kpool - 1]`` int32, valid first, ``-1`` after.
+
+    scores ``[N, P]`` from :func:`indexer_scores` (``-inf`` at ``p >= n_complete``), positions ``[N]``,
+    ``n_complete[n] == (positions[n]+1) // kpool``. Picks the top ``n_select`` pools by (score desc, pool id
+    asc), expands them to their ``kpool`` tokens and appends the tail ``n_complete*kpool .. pos``; with
+    ``n_complete <= n_select`` that is every token ``0..pos``. Sync-free (topk + gathers)."""
+    n, max_pools = scores.shape
+    device = scores.device
+    width = n_select * kpool + kpool - 1
+    nc, pos = n_complete.long(), positions.long()
+    k = min(n_select, max_pools)
+    if k > 0:
+        key = torch.topk(_order_key(scores), k, dim=1, largest=True, sorted=True).values
+        sel = (max_pools - 1) - (key & 0xFFFFFFFF)               # pool ids, candidates (ids < nc) first
+    else:
+        sel = torch.zeros(n, 1, device=device, dtype=torch.int64)
+    col = torch.arange(width, device=device)[None, :]
+    n_pool_tok = torch.clamp(nc, max=n_select)[:, None] * kpool
+    n_tail = (pos + 1 - nc * kpool)[:, None]
+    in_pool = col < n_pool_tok
+    pool_tok = torch.gather(sel, 1, (col // kpool).clamp(max=sel.shape[1] - 1).expand(n, -1)) * kpool + col % kpool
+    tail_tok = nc[:, None] * kpool + (col - n_pool_tok)
+    tok = torch.where(in_pool, pool_tok, tail_tok)
+    valid = in_pool | (col < n_pool_tok + n_tail)
+    tok = torch.where(valid, tok, torch.zeros_like(tok))
+    bt = block_tables[row_seq.long()].long()
+    blk = torch.gather(bt, 1, (tok // block_size).clamp(max=bt.shape[1] - 1))
+    slots = blk * block_size + tok % block_size
+    return torch.where(valid, slots, torch.full_like(slots, -1)).to(torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------- timing
+def bench_indexer(n: int = 64, pools: int = 8192, heads: int = 32, d: int = 128, n_select: int = 512,
+                  kpool: int = 4, block_size: int = 64, fp8: bool = False, iters: int = 50) -> dict[str, float]:
+    """CUDA timing (µs per call) of indexer_scores and select_token_slots at one decode shape (all rows
+    see ``pools`` complete pools). For the lead's benchmarks; needs a GPU."""
+    dev = torch.device("cuda")
+    ppb = block_size // kpool
+    mb = triton.cdiv(pools, ppb)
+    num_blocks = mb * 2
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(n, heads, d, generator=g).to(dev, torch.bfloat16)
+    w = (torch.randn(n, heads, generator=g) * heads ** -0.5).to(dev)
+    keys = torch.randn(num_blocks * ppb, d, generator=g).to(dev, torch.bfloat16)
+    scales = None
+    if fp8:
+        from glm5.model.fp8_index import encode_keys
+        keys, scales = encode_keys(keys)
+    bt = torch.stack([torch.randperm(num_blocks, generator=g)[:mb] for _ in range(n)]).to(dev, torch.int32)
+    row_seq = torch.arange(n, device=dev, dtype=torch.int32)
+    positions = torch.full((n,), pools * kpool + kpool - 2, device=dev, dtype=torch.int64)
+    nc = torch.div(positions + 1, kpool, rounding_mode="floor")
+    max_pools = mb * ppb
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1000.0 / iters
+
+    scores = indexer_scores(q, w, keys, scales, bt, row_seq, nc, ppb, d ** -0.5, max_pools)
+    return {
+        "indexer_scores_us": timed(lambda: indexer_scores(q, w, keys, scales, bt, row_seq, nc, ppb, d ** -0.5,
+                                                          max_pools)),
+        "select_token_slots_us": timed(lambda: select_token_slots(scores, nc, positions, bt, row_seq, n_select,
+                                                                  kpool, block_size)),
+        "key_bytes_per_call": float(n * pools * d * (1 if fp8 else 2)),
+    }
+
+
+__all__ = ["indexer_scores", "indexer_scores_ref", "select_token_slots", "select_token_slots_ref", "count_selected",
+           "pool_rows", "bench_indexer"]
