@@ -113,9 +113,12 @@ class Setup:
         from glm5.model import moe as moe_mod
         orig = moe_mod.route
 
+        self.recording = True
+
         def recording_route(*a, **kw):
             r = orig(*a, **kw)
-            self.touched.append(int(torch.unique(r.experts).numel()))
+            if self.recording and not torch.cuda.is_current_stream_capturing():
+                self.touched.append(int(torch.unique(r.experts).numel()))
             return r
         moe_mod.route = recording_route
         self._restore = lambda: setattr(moe_mod, "route", orig)
@@ -124,15 +127,6 @@ class Setup:
         """Undo the routing hook and drop every GPU tensor (so the HF model fits afterwards)."""
         self._restore()
         self.model = self.weights = self.cache = None
-
-    def decode_batch(self, b: int, ctx: int):
-        from glm5.model.batch import ForwardBatch, SeqChunk
-        seqs = [SeqChunk(start=i, num_tokens=1, context_len=ctx,
-                         block_table=torch.arange(i * self.blocks_per_req, (i + 1) * self.blocks_per_req,
-                                                  device="cuda"), state_slot=i) for i in range(b)]
-        return ForwardBatch(input_ids=torch.randint(0, 150000, (b,), device="cuda"),
-                            positions=torch.full((b,), ctx, device="cuda"), seqs=seqs,
-                            logits_indices=torch.arange(b, device="cuda"))
 
     def decode_bytes(self, b: int, ctx: int, touched: list[int]) -> dict:
         t = self.cfg.text
@@ -162,27 +156,81 @@ class Setup:
         return float(flops)
 
 
-def run_decode(s: Setup, batches, ctxs, reps: int, log) -> list[dict]:
-    rows = []
+def decode_rows(s: "Setup", b: int, ctx: int):
+    from glm5.engine.cuda_graph import DecodeRows
+    g = torch.Generator().manual_seed(b * 7 + ctx)
+    return DecodeRows(tokens=torch.randint(0, 150000, (b,), generator=g).tolist(), positions=[ctx] * b,
+                      state_slots=list(range(b)),
+                      block_tables=[list(range(i * s.blocks_per_req, (i + 1) * s.blocks_per_req)) for i in range(b)])
+
+
+def run_decode(s: "Setup", batches, ctxs, reps: int, log, graphs: bool = True) -> list[dict]:
+    """Decode steps through the engine's batched path: eager (one launch per kernel) and replayed as a
+    CUDA graph (what the engine runs), on the same staged inputs."""
+    from glm5.engine.cuda_graph import DecodeGraphRunner, DecodeStager
+    stager = DecodeStager(s.cache, max(batches), s.blocks_per_req, torch.device("cuda"))
+    runner = None
+    if graphs:
+        try:
+            runner = DecodeGraphRunner(s.model, s.cache, stager, sorted(batches))
+            t0 = time.perf_counter()
+            runner.capture()
+            log({"graphs_captured": sorted(batches), "capture_s": time.perf_counter() - t0})
+        except Exception as e:
+            log({"graphs_error": f"{type(e).__name__}: {str(e)[:300]}", "trace": traceback.format_exc()[-1500:]})
+            runner = None
+            torch.cuda.synchronize()
+    rows_out = []
     for ctx in ctxs:
         for b in batches:
             try:
-                batch = s.decode_batch(b, ctx)
+                rows = decode_rows(s, b, ctx)
+                batch = stager.stage(rows, b)
                 s.touched.clear()
-                s.model.forward(batch, s.cache)
+                s.model.forward(batch, s.cache)  # eager, records the experts the routing touches
                 torch.cuda.synchronize()
                 touched = list(s.touched)
-                times = timed(lambda: s.model.forward(batch, s.cache), reps, warmup=0)
-                step = median(times)
-                by = s.decode_bytes(b, ctx, touched)
-                row = {"batch": b, "ctx": ctx, "step_s": step, "steps": times, "tok_s": b / step,
-                       "experts_touched": touched, "bytes": by}
+                s.recording = False
+                eager = timed(lambda: s.model.forward(stager.stage(rows, b), s.cache), reps, warmup=1)
+                row = {"batch": b, "ctx": ctx, "eager_step_s": median(eager), "experts_touched": touched,
+                       "bytes": s.decode_bytes(b, ctx, touched)}
+                if runner is not None:
+                    times = timed(lambda: runner.run(rows), max(reps, 10), warmup=2)
+                    row.update(step_s=median(times), steps=times, graph=True)
+                else:
+                    row.update(step_s=row["eager_step_s"], steps=eager, graph=False)
+                row["tok_s"] = b / row["step_s"]
+                s.recording = True
             except Exception as e:  # record and continue: an OOM at one size must not hide the rest
-                row = {"batch": b, "ctx": ctx, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                row = {"batch": b, "ctx": ctx, "error": f"{type(e).__name__}: {str(e)[:300]}",
+                       "trace": traceback.format_exc()[-1200:]}
+                s.recording = True
                 torch.cuda.empty_cache()
             log(row)
-            rows.append(row)
-    return rows
+            rows_out.append(row)
+    return rows_out
+
+
+def profile_decode(s: "Setup", b: int, ctx: int, out: Path) -> dict:
+    """Kernel count and summed GPU kernel time of one eager batched decode step (the graph replays the same
+    kernels), plus the top kernels."""
+    from glm5.engine.cuda_graph import DecodeStager
+    stager = DecodeStager(s.cache, b, s.blocks_per_req, torch.device("cuda"))
+    rows = decode_rows(s, b, ctx)
+    s.recording = False
+    s.model.forward(stager.stage(rows, b), s.cache)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        s.model.forward(stager.stage(rows, b), s.cache)
+        torch.cuda.synchronize()
+    s.recording = True
+    ka = prof.key_averages()
+    cuda_events = [e for e in ka if e.device_type.name == "CUDA"]
+    table = ka.table(sort_by="self_cuda_time_total", row_limit=30)
+    (out / f"profile_decode_b{b}_ctx{ctx}.txt").write_text(table)
+    return {"batch": b, "ctx": ctx, "cuda_kernels": sum(e.count for e in cuda_events),
+            "kernel_time_s": sum(e.self_device_time_total for e in cuda_events) / 1e6, "table": table}
 
 
 def run_prefill(s: Setup, lengths, chunk: int, log) -> list[dict]:
@@ -275,6 +323,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--render", type=Path, help="results.json -> bench/RESULTS.md")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--flashinfer", action="store_true", help="also time decode with decode_attn_backend=flashinfer")
     ap.add_argument("--hf-only", action="store_true", help="engine b1 ctx 1K, then transformers, same run")
     args = ap.parse_args()
     if args.render:
@@ -293,8 +342,10 @@ def main() -> int:
     from glm5.model import backends
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
-           "kda_backend": backends.kda_backend(torch.device("cuda")),
-           "attn_backend": backends.attn_backend(torch.device("cuda"))}
+           "backends": {name: fn(torch.device("cuda")) for name, fn in (
+               ("kda", lambda d: backends.kda_backend(d, torch.bfloat16)), ("prefill_attn", backends.attn_backend),
+               ("decode_attn", lambda d: backends.decode_attn_backend(d, torch.bfloat16)),
+               ("index", backends.index_backend), ("moe", backends.moe_backend))}}
     res["ceilings"] = ceilings()
     log(res)
     batches = [1, 8] if args.quick else [1, 8, 64, 256]
@@ -302,16 +353,7 @@ def main() -> int:
     if args.hf_only:
         s = Setup(1, 1024)
         res["decode"] = run_decode(s, [1], [1024], reps=5, log=log)
-        batch = s.decode_batch(1, 1024)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
-            s.model.forward(batch, s.cache)
-            torch.cuda.synchronize()
-        ka = prof.key_averages()
-        res["profile_b1"] = {"cuda_kernels": sum(e.count for e in ka if e.device_type.name == "CUDA"),
-                             "table": ka.table(sort_by="self_cuda_time_total", row_limit=25)}
-        (args.out / "profile_b1.txt").write_text(res["profile_b1"]["table"] + "\n" + ka.table(
-            sort_by="cpu_time_total", row_limit=25))
+        res["profiles"] = [profile_decode(s, 1, 1024, args.out)]
         s.close()
         del s
         gc.collect()
@@ -325,6 +367,17 @@ def main() -> int:
     res["prefill"] = run_prefill(s, [1024, 8192] if args.quick else [1024, 8192, 32768], 4096, log)
     (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
     res["decode"] = run_decode(s, batches, ctxs, reps=3, log=log)
+    (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
+    res["profiles"] = []
+    for b in (1, 64):
+        if b in batches:
+            try:
+                res["profiles"].append(profile_decode(s, b, 1024, args.out))
+            except Exception as e:
+                res["profiles"].append({"batch": b, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            log({k: v for k, v in res["profiles"][-1].items() if k != "table"})
+    if args.flashinfer:
+        res["decode_flashinfer"] = run_decode_flashinfer(s, [b for b in (1, 64) if b in batches], [8192], log)
     (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
     s.close()
     del s

@@ -13,6 +13,10 @@ Pool ``p`` of a request lives in the block that holds its first token ``p * kpoo
 ``block_table[p*kpool // bs] * (bs / kpool) + (p*kpool % bs) / kpool``. The upstream bug where
 pool entries of different requests overwrote each other came from a mismatch here; the
 invariant is checked when the cache is built.
+
+One extra block and one extra state slot past the configured counts (``scratch_block``,
+``scratch_slot``) are never handed out: the padding rows of a CUDA-graph decode batch point at
+them, so a replayed graph can run a fixed batch size without touching any request's cache.
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ class HybridCache:
         self.pools_per_block = cache_cfg.block_size // cfg.index_kpool
         self.device = torch.device(device)
         self.dtype = dtype
-        nb, bs, ns = cache_cfg.num_blocks, cache_cfg.block_size, cache_cfg.num_state_slots
+        self.scratch_block, self.scratch_slot = cache_cfg.num_blocks, cache_cfg.num_state_slots
+        nb, bs, ns = cache_cfg.num_blocks + 1, cache_cfg.block_size, cache_cfg.num_state_slots + 1
         mla_layers = cfg.mla_layer_ids if mla_layers is None else mla_layers
         self.latent = {i: torch.zeros(nb * bs, cfg.kv_lora_rank, device=device, dtype=dtype) for i in mla_layers}
         # exact mode: pooled keys in the model dtype; fp8 mode (glm5.model.fp8_index): Hadamard-rotated

@@ -26,6 +26,9 @@ class EngineArgs:
     media_caps: dict | None = None
     load_progress: bool = True
     index_cache: str = "exact"          # exact (model dtype, selects what transformers does) | fp8
+    decode_path: str = "auto"           # auto (batched on CUDA) | batched | per_request (the reference loops)
+    enforce_eager: bool = False         # True: no decode CUDA graphs (vLLM's flag name)
+    cuda_graph_max_batch: int | None = None  # largest captured decode batch (default max_num_seqs)
 
     def __post_init__(self) -> None:
         checks = [("max_model_len", self.max_model_len, 1), ("max_num_seqs", self.max_num_seqs, 1),
@@ -41,6 +44,10 @@ class EngineArgs:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}: must be in 0..5")
         if self.index_cache not in ("exact", "fp8"):
             raise ValueError(f"index_cache={self.index_cache!r}: use exact or fp8")
+        if self.decode_path not in ("auto", "batched", "per_request"):
+            raise ValueError(f"decode_path={self.decode_path!r}: use auto, batched or per_request")
+        if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch < 1:
+            raise ValueError(f"cuda_graph_max_batch={self.cuda_graph_max_batch}: must be >= 1 (or unset)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r}: use auto, float32, bfloat16 or float16")
 

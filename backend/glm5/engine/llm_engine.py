@@ -76,7 +76,11 @@ class LLMEngine:
             logger.warning("max_model_len %d exceeds the cache (%d blocks x %d tokens): capped to %d",
                            args.max_model_len, cache_cfg.num_blocks, cache_cfg.block_size, self.max_model_len)
         self.runner = ModelRunner(self.model_config, weights, cache_cfg, self.device, self.dtype,
-                                  use_mtp=args.num_speculative_tokens > 0, index_fp8=args.index_cache == "fp8")
+                                  use_mtp=args.num_speculative_tokens > 0, index_fp8=args.index_cache == "fp8",
+                                  max_model_len=self.max_model_len, decode_path=args.decode_path)
+        self._log_backends()
+        if self.device.type == "cuda" and not args.enforce_eager:
+            self.runner.capture_cuda_graphs(args.cuda_graph_max_batch or args.max_num_seqs)
         self.spec_stats = SpecStats(args.num_speculative_tokens) if args.num_speculative_tokens else None
         self.blocks = BlockAllocator(cache_cfg.num_blocks)
         self.slots = SlotAllocator(cache_cfg.num_state_slots)
@@ -94,6 +98,14 @@ class LLMEngine:
         self.sampler = Sampler(seed=args.seed)
 
     # ------------------------------------------------------------------ setup helpers
+    def _log_backends(self) -> None:
+        from glm5.model import backends as b
+        dev = self.device
+        logger.info("backends on %s %s: kda=%s prefill_attn=%s decode_attn=%s index=%s moe=%s sampling=%s "
+                    "decode_path=%s", dev, self.dtype, b.kda_backend(dev, self.dtype), b.attn_backend(dev),
+                    b.decode_attn_backend(dev, self.dtype), b.index_backend(dev), b.moe_backend(dev),
+                    b.sampling_backend(dev), "batched" if self.runner.batched_decode else "per_request")
+
     @staticmethod
     def _load_tokenizer(path: str):
         p = Path(path)

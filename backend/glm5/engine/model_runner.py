@@ -16,6 +16,7 @@ import torch
 
 from glm5.cache.hybrid_cache import CacheConfig, HybridCache
 from glm5.config import ModelConfig
+from glm5.engine.cuda_graph import DecodeGraphRunner, DecodeRows, DecodeStager, graph_buckets
 from glm5.engine.scheduler import SchedulerOutput
 from glm5.engine.sequence import MultiModalData, Sequence
 from glm5.model.batch import ForwardBatch, SeqChunk
@@ -56,9 +57,20 @@ class EncoderCache:
             self._d.popitem(last=False)
 
 
+DECODE_PATHS = ("auto", "batched", "per_request")
+
+
 class ModelRunner:
+    """``decode_path``: ``batched`` runs pure decode steps (one token per request, no drafts) through
+    the batch-wide, sync-free path (:class:`~glm5.model.batch.DecodeMeta`), ``per_request`` through the
+    reference per-request loops; ``auto`` is batched on CUDA, per-request on CPU (the oracle tests'
+    rounding). ``max_model_len`` sizes the decode block-table buffers."""
+
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], cache_cfg: CacheConfig,
-                 device: torch.device, dtype: torch.dtype, use_mtp: bool = False, index_fp8: bool = False):
+                 device: torch.device, dtype: torch.dtype, use_mtp: bool = False, index_fp8: bool = False,
+                 max_model_len: int | None = None, decode_path: str = "auto"):
+        if decode_path not in DECODE_PATHS:
+            raise ValueError(f"decode_path={decode_path!r}: choose one of {', '.join(DECODE_PATHS)}")
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.model = Glm5ForCausalLM(cfg, weights)
         self.mtp: MTPLayer | None = None
@@ -73,6 +85,13 @@ class ModelRunner:
         self.cache = HybridCache(cfg.text, cache_cfg, device, dtype, mla_layers=mla_layers, index_fp8=index_fp8)
         self.encoder_cache = EncoderCache()
         self.vision_calls = 0
+        self.batched_decode = decode_path == "batched" or (decode_path == "auto" and device.type == "cuda")
+        self.stager: DecodeStager | None = None
+        self.graphs: DecodeGraphRunner | None = None
+        if self.batched_decode:
+            max_len = max_model_len or cache_cfg.num_blocks * cache_cfg.block_size
+            max_blocks = -(-max_len // cache_cfg.block_size)
+            self.stager = DecodeStager(self.cache, cache_cfg.num_state_slots, max_blocks, device)
         logger.info("hybrid cache: %d blocks × %d tokens, %d state slots, %.1f MiB", cache_cfg.num_blocks,
                     cache_cfg.block_size, cache_cfg.num_state_slots, self.cache.nbytes() / 2**20)
 
@@ -191,8 +210,66 @@ class ModelRunner:
         return batch, sample_idx
 
     def execute(self, sched: SchedulerOutput) -> tuple[ForwardBatch, ModelOutput, list[tuple[int, int, int]]]:
+        rows = self._decode_rows(sched) if self.batched_decode else None
+        if rows is not None:
+            return self._execute_decode(sched, rows)
         batch, sample_idx = self.prepare(sched)
         return batch, self.model.forward(batch, self.cache), sample_idx
+
+    # ------------------------------------------------------------------ batched decode / CUDA graphs
+    def capture_cuda_graphs(self, max_batch: int | None = None) -> str | None:
+        """Capture decode graphs; returns ``None`` on success or the reason graphs stay off."""
+        from glm5.model.backends import decode_attn_backend, index_backend, moe_backend
+        reason = None
+        if self.device.type != "cuda":
+            reason = "not on a CUDA device"
+        elif not self.batched_decode:
+            reason = "decode_path is per_request"
+        elif moe_backend(self.device) != "triton" and any(
+                k == "moe" for k in self.cfg.text.mlp_kinds):
+            reason = "the torch MoE (per-expert loop) syncs with the host; use moe_backend=triton"
+        elif index_backend(self.device) != "triton":
+            reason = "index_backend is torch"
+        elif decode_attn_backend(self.device, self.dtype) == "flashinfer":
+            reason = "decode_attn_backend=flashinfer plans per step on the host (runs eagerly)"
+        if reason is not None:
+            logger.info("decode CUDA graphs off: %s", reason)
+            return reason
+        buckets = graph_buckets(min(max_batch or self.stager.max_batch, self.stager.max_batch))
+        self.graphs = DecodeGraphRunner(self.model, self.cache, self.stager, buckets)
+        self.graphs.capture()
+        return None
+
+    def _decode_rows(self, sched: SchedulerOutput) -> DecodeRows | None:
+        """The step as decode rows, or ``None`` when some chunk is not a plain single-token step
+        (prefill chunk, verification rows, a multimodal placeholder token)."""
+        rows = DecodeRows([], [], [], [])
+        for c in sched.chunks:
+            s = c.seq
+            lo = s.num_computed_tokens
+            if c.num_tokens != 1 or c.num_drafts:
+                return None
+            if s.mm is not None and s.mm.positions is not None and bool((s.mm.positions == lo).any()):
+                return None
+            rows.tokens.append(s.tokens(lo, lo + 1)[0])
+            rows.positions.append(lo)
+            rows.state_slots.append(s.state_slot)
+            rows.block_tables.append(s.block_table)
+        return rows
+
+    def _execute_decode(self, sched: SchedulerOutput, rows: DecodeRows
+                        ) -> tuple[ForwardBatch, ModelOutput, list[tuple[int, int, int]]]:
+        n = len(rows)
+        if self.graphs is not None and self.graphs.bucket_for(n) is not None:
+            batch, out = self.graphs.run(rows)
+        else:
+            batch = self.stager.stage(rows, n)
+            out = self.model.forward(batch, self.cache)
+        meta = batch.decode
+        batch.seqs = [SeqChunk(start=i, num_tokens=1, context_len=p, block_table=meta.block_tables[i],
+                               state_slot=slot) for i, (p, slot) in enumerate(zip(rows.positions, rows.state_slots))]
+        sample_idx = [(ci, ci, 1) for ci, c in enumerate(sched.chunks) if c.samples]
+        return batch, out, sample_idx
 
     # ------------------------------------------------------------------ speculative decoding
     def rollback(self, batch: ForwardBatch, state_slot: int, valid_rows: int) -> None:

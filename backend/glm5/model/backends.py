@@ -29,6 +29,11 @@ logger = logging.getLogger(__name__)
 
 KDA_CHOICES = ("auto", "torch", "fla")
 ATTN_CHOICES = ("auto", "torch", "sdpa")
+DECODE_ATTN_CHOICES = ("auto", "torch", "triton", "flashinfer")
+SAMPLING_CHOICES = ("auto", "torch", "flashinfer")
+MOE_CHOICES = ("auto", "torch", "triton")
+INDEX_CHOICES = ("auto", "torch", "triton")
+MHC_CHOICES = ("auto", "torch", "triton")
 
 _overrides: dict[str, str] = {}
 
@@ -37,14 +42,22 @@ class BackendUnavailable(RuntimeError):
     """An explicitly requested backend cannot run here (missing library or wrong device)."""
 
 
-def set_backends(kda: str | None = None, attn: str | None = None) -> None:
+def set_backends(kda: str | None = None, attn: str | None = None, decode_attn: str | None = None,
+                 sampling: str | None = None, moe: str | None = None, index: str | None = None,
+                 mhc: str | None = None) -> None:
     """Override the environment for this process (``None`` leaves a setting unchanged)."""
-    if kda is not None:
-        _validate("kda", kda, KDA_CHOICES)
-        _overrides["kda"] = kda
-    if attn is not None:
-        _validate("attn", attn, ATTN_CHOICES)
-        _overrides["attn"] = attn
+    for name, value, choices in (("kda", kda, KDA_CHOICES), ("attn", attn, ATTN_CHOICES),
+                                 ("decode_attn", decode_attn, DECODE_ATTN_CHOICES),
+                                 ("sampling", sampling, SAMPLING_CHOICES), ("moe", moe, MOE_CHOICES),
+                                 ("index", index, INDEX_CHOICES), ("mhc", mhc, MHC_CHOICES)):
+        if value is not None:
+            _validate(name, value, choices)
+            _overrides[name] = value
+
+
+def reset_backends() -> None:
+    """Drop every :func:`set_backends` override (tests)."""
+    _overrides.clear()
 
 
 def _validate(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -87,6 +100,97 @@ def kda_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
     if want == "auto" and dtype == torch.float32:
         return "torch"
     return "fla" if err is None else "torch"
+
+
+@functools.lru_cache(maxsize=1)
+def triton_import_error() -> str | None:
+    """``None`` if Triton and our kernels import, else the reason."""
+    try:
+        import glm5_kernels.sparse_mla_decode  # noqa: F401
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def flashinfer_import_error() -> str | None:
+    """``None`` if flashinfer-python imports (its kernels still JIT-compile on first use), else the reason."""
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _sm90_or_newer(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def decode_attn_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """``"triton"``, ``"flashinfer"`` or ``"torch"`` for the sparse NoPE MLA decode (and verification rows).
+
+    ``auto``: on CUDA the Triton kernel (measured faster than FlashInfer's FA3 MLA on the H200, see
+    bench/RESULTS.md); fp32 tensors keep the torch reference unless asked, like KDA. FlashInfer runs only
+    when asked: its kernels need an SM90+ GPU, bf16/fp16 and an nvcc JIT on first use."""
+    want = _requested("decode_attn", DECODE_ATTN_CHOICES)
+    if want == "torch":
+        return "torch"
+    if want == "flashinfer":
+        err = flashinfer_import_error() if device.type == "cuda" else "tensors are not on a CUDA device"
+        if err is None and not _sm90_or_newer(device):
+            err = f"GPU capability {torch.cuda.get_device_capability(device)} < (9, 0)"
+        if err is None and dtype is not None and dtype not in (torch.bfloat16, torch.float16):
+            err = f"dtype {dtype} (FlashInfer's MLA kernels take bf16/fp16)"
+        if err is not None:
+            raise BackendUnavailable(f"decode_attn_backend='flashinfer' cannot run: {err}. Install flashinfer-python "
+                                     "(README: GPU extras) or set GLM5_DECODE_ATTN_BACKEND=triton|torch")
+        return "flashinfer"
+    err = triton_import_error() if device.type == "cuda" else "tensors are not on a CUDA device"
+    if want == "triton" and err is not None:
+        raise BackendUnavailable(f"decode_attn_backend='triton' cannot run: {err}. Run on CUDA with triton "
+                                 "installed, or set GLM5_DECODE_ATTN_BACKEND=torch")
+    return "triton" if err is None else "torch"
+
+
+def _triton_or_torch(name: str, choices: tuple[str, ...], device: torch.device) -> str:
+    want = _requested(name, choices)
+    if want == "torch":
+        return "torch"
+    err = triton_import_error() if device.type == "cuda" else "tensors are not on a CUDA device"
+    if want == "triton" and err is not None:
+        raise BackendUnavailable(f"{name}_backend='triton' cannot run: {err}. Run on CUDA, or set "
+                                 f"GLM5_{name.upper()}_BACKEND=torch")
+    return "triton" if err is None else "torch"
+
+
+def moe_backend(device: torch.device) -> str:
+    """``"triton"`` (fused grouped-GEMM MoE, no host sync) or ``"torch"`` (per-expert loop, the reference)."""
+    return _triton_or_torch("moe", MOE_CHOICES, device)
+
+
+def mhc_backend(device: torch.device) -> str:
+    """``"triton"`` (fused mHC pre + block RMSNorm and post: 3 launches per site instead of ~150) or ``"torch"``."""
+    return _triton_or_torch("mhc", MHC_CHOICES, device)
+
+
+def index_backend(device: torch.device) -> str:
+    """``"triton"`` (kpool append/compress and index-score kernels) or ``"torch"`` (their references) for the
+    batched decode path's indexer."""
+    return _triton_or_torch("index", INDEX_CHOICES, device)
+
+
+def sampling_backend(device: torch.device) -> str:
+    """``"flashinfer"`` or ``"torch"`` for sampling rows without a per-request seed (seeded rows always
+    take the reproducible torch path). ``auto`` is torch; see :func:`decode_attn_backend` for why
+    FlashInfer is opt-in."""
+    want = _requested("sampling", SAMPLING_CHOICES)
+    if want != "flashinfer":
+        return "torch"
+    err = flashinfer_import_error() if device.type == "cuda" else "tensors are not on a CUDA device"
+    if err is not None:
+        raise BackendUnavailable(f"sampling_backend='flashinfer' cannot run: {err}. Install flashinfer-python "
+                                 "or set GLM5_SAMPLING_BACKEND=torch")
+    return "flashinfer"
 
 
 def attn_backend(device: torch.device) -> str:

@@ -8,6 +8,7 @@ Blocks read these records instead of padded ``[batch, seq]`` tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,6 +35,22 @@ class SeqChunk:
 
 
 @dataclass
+class DecodeMeta:
+    """Device tensors of a pure decode step (one token per request, no recording), row-aligned with
+    ``ForwardBatch.input_ids``. Everything a decode layer needs is a tensor here — no per-request
+    Python loop and no host sync — so the step can be captured in a CUDA graph; padding rows of a
+    graph bucket point at the cache's scratch block and slot."""
+
+    state_slots: torch.Tensor    # int64 [N]
+    block_tables: torch.Tensor   # int32 [N, max_blocks] (unused columns: any valid block id)
+    slot_mapping: torch.Tensor   # int64 [N] latent row of each row's own token
+    positions_host: list[int] | None = None  # host copy, for backends that plan on the host (FlashInfer)
+    # the step's planned FlashInfer sparse-MLA wrapper (glm5_kernels.flashinfer_mla), when that backend runs;
+    # one plan serves every MLA layer because the selection sizes depend only on the positions
+    flashinfer: Any = None
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor          # int64 [T]
     positions: torch.Tensor          # int64 [T]
@@ -46,6 +63,8 @@ class ForwardBatch:
     records: dict = field(default_factory=dict)
     # index sharing across MTP draft steps: state_slot -> chosen pools of the first step, per MLA layer
     shared_pools: dict | None = None
+    # set for pure decode steps on the batched path (see DecodeMeta)
+    decode: DecodeMeta | None = None
 
     @property
     def num_tokens(self) -> int:

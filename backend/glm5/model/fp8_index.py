@@ -29,11 +29,17 @@ def _hadamard(n: int) -> torch.Tensor:
     return h / math.sqrt(n)
 
 
+@functools.lru_cache(maxsize=16)
+def _hadamard_on(n: int, device: torch.device) -> torch.Tensor:
+    """The matrix on ``device``, made once: a host-to-device copy per call could not be graph-captured."""
+    return _hadamard(n).to(device)
+
+
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     """Orthogonal rotation of the last dim, in blocks of min(128, d) channels; fp32 result."""
     d = x.shape[-1]
     block = min(128, d)
-    h = _hadamard(block).to(x.device)
+    h = _hadamard_on(block, x.device)
     return (x.float().reshape(*x.shape[:-1], d // block, block) @ h).reshape(x.shape)
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import ModelConfig
+from glm5.model.backends import mhc_backend
 from glm5.model.batch import ForwardBatch
 from glm5.model.kda import KDALayer
 from glm5.model.mhc import HyperConnection
@@ -35,10 +36,23 @@ class DecoderLayer:
         self.eps = t.rms_norm_eps
 
     def __call__(self, streams: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
+        if mhc_backend(streams.device) == "triton":
+            return self._fused(streams, batch, cache)
         x, mix = self.attn_hc.pre(streams)
         streams = HyperConnection.post(self.attn(rms_norm(x, self.in_norm, self.eps), batch, cache), streams, mix)
         x, mix = self.ffn_hc.pre(streams)
         return HyperConnection.post(self.mlp(rms_norm(x, self.post_norm, self.eps)), streams, mix)
+
+
+    def _fused(self, streams: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
+        """Same layer with the fused Triton mHC kernels (pre + the block's RMSNorm, post)."""
+        from glm5_kernels.mhc import mhc_post, mhc_pre
+        a, f = self.attn_hc, self.ffn_hc
+        x, post, comb = mhc_pre(streams, a.fn, a.base, a.scale, a.n, a.eps, a.norm_eps, a.iters, self.in_norm, self.eps)
+        streams = mhc_post(self.attn(x, batch, cache), streams, post, comb)
+        x, post, comb = mhc_pre(streams, f.fn, f.base, f.scale, f.n, f.eps, f.norm_eps, f.iters, self.post_norm,
+                                self.eps)
+        return mhc_post(self.mlp(x), streams, post, comb)
 
 
 @dataclass

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import TextConfig
-from glm5.model.batch import SeqChunk
+from glm5.model.backends import index_backend
+from glm5.model.batch import DecodeMeta, SeqChunk
 from glm5.model.fp8_index import encode_keys, fp8_index_scores
 from glm5.model.norms import layer_norm
 
@@ -86,7 +87,12 @@ class KPoolIndexer:
         first_pool, end_pool = seq.context_len // kp, seq.total_len // kp
         span = torch.cat([tail[: seq.context_len % kp], raw], dim=0)  # starts at position first_pool*kp
         n_complete = end_pool - first_pool
-        if n_complete > 0:
+        if n_complete > 0 and index_backend(raw.device) == "triton":
+            from glm5_kernels.kpool import kpool_compress_write
+            slots = cache.pool_slots(seq.block_table, torch.arange(first_pool, end_pool, device=raw.device))
+            kpool_compress_write(span[: n_complete * kp].view(n_complete, kp, -1).contiguous(), self.ape, slots,
+                                 cache.pool_keys[layer], cache.pool_scales[layer] if cache.index_fp8 else None)
+        elif n_complete > 0:
             pooled = self.pool(span[: n_complete * kp].view(n_complete, kp, -1))
             pools = torch.arange(first_pool, end_pool, device=raw.device)
             slots = cache.pool_slots(seq.block_table, pools)
@@ -122,15 +128,7 @@ class KPoolIndexer:
             chosen[:, : first.shape[0]] = first
             chosen &= candidate
         else:
-            slots = cache.pool_slots(seq.block_table, torch.arange(n_pools, device=device))
-            pooled = cache.pool_keys[layer][slots]
-            q = F.linear(q_resid, self.wq_b).view(-1, self.n_heads, self.head_dim)
-            w = F.linear(x.to(self.w_heads.dtype), self.w_heads).float() * self.n_heads ** -0.5
-            if cache.index_fp8:
-                index_scores = fp8_index_scores(q, w, pooled, cache.pool_scales[layer][slots], self.head_dim ** -0.5)
-            else:
-                scores = F.relu(torch.matmul(q.float(), pooled.float().t()) * self.head_dim ** -0.5)  # [n, h, P]
-                index_scores = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)  # [n, P]
+            index_scores = self._scores(x, q_resid, seq, cache, layer, n_complete, n_pools)
             index_scores = index_scores.masked_fill(~candidate, torch.finfo(index_scores.dtype).min)
             # Ties are real (a pool whose every head dot product is negative scores exactly 0 after the
             # ReLU): break them by pool id (stable sort) so that a request's selection does not depend on
@@ -144,3 +142,54 @@ class KPoolIndexer:
         token_chosen[:, : pooled_tokens.shape[1]] = pooled_tokens
         tail = (key_pos[None, :] >= (n_complete * kp)[:, None]) & causal
         return token_chosen | tail
+
+    def _scores(self, x: torch.Tensor, q_resid: torch.Tensor, seq: SeqChunk, cache: HybridCache, layer: int,
+                n_complete: torch.Tensor, n_pools: int) -> torch.Tensor:
+        """Index scores ``[n, n_pools]`` fp32 of one request's queries over its first ``n_pools`` pools."""
+        device = x.device
+        q = F.linear(q_resid, self.wq_b).view(-1, self.n_heads, self.head_dim)
+        w = F.linear(x.to(self.w_heads.dtype), self.w_heads).float() * self.n_heads ** -0.5
+        scales = cache.pool_scales[layer] if cache.index_fp8 else None
+        if index_backend(device) == "triton":
+            # the kernel reads the pooled keys in place: no [n, heads, pools] fp32 intermediate
+            from glm5_kernels.indexer import indexer_scores
+            rows = torch.zeros(q.shape[0], dtype=torch.int32, device=device)
+            return indexer_scores(q, w, cache.pool_keys[layer], scales, seq.block_table.to(torch.int32)[None], rows,
+                                  n_complete, cache.pools_per_block, self.head_dim ** -0.5, n_pools)
+        slots = cache.pool_slots(seq.block_table, torch.arange(n_pools, device=device))
+        pooled = cache.pool_keys[layer][slots]
+        if cache.index_fp8:
+            return fp8_index_scores(q, w, pooled, scales[slots], self.head_dim ** -0.5)
+        scores = F.relu(torch.matmul(q.float(), pooled.float().t()) * self.head_dim ** -0.5)  # [n, h, P]
+        return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)  # [n, P]
+
+    # ------------------------------------------------------------------ batched decode
+    def decode_select(self, x: torch.Tensor, q_resid: torch.Tensor, raw: torch.Tensor, positions: torch.Tensor,
+                      meta: DecodeMeta,
+                      cache: HybridCache, layer: int) -> torch.Tensor:
+        """Batched decode counterpart of :meth:`write` + :meth:`visible` (one row per request): appends
+        every row's raw key to its tail (completing the pool when the row is its last token), scores the
+        visible pools and returns the latent rows each query attends to, ``[N, index_topk + kpool - 1]``
+        int32 with the valid entries first and ``-1`` after. Dense rows (few enough complete pools) select
+        every pool, so they get all their tokens, as :meth:`visible` does. ``raw`` is :meth:`keys` of ``x``."""
+        if index_backend(x.device) == "triton":
+            from glm5_kernels.indexer import indexer_scores, select_token_slots
+            from glm5_kernels.kpool import kpool_decode_append
+        else:
+            from glm5_kernels.indexer import indexer_scores_ref as indexer_scores
+            from glm5_kernels.indexer import select_token_slots_ref as select_token_slots
+            from glm5_kernels.kpool import kpool_decode_append_ref as kpool_decode_append
+        kp, bs = self.kpool, cache.block_size
+        pool_keys = cache.pool_keys[layer]
+        scales = cache.pool_scales[layer] if cache.index_fp8 else None
+        kpool_decode_append(raw, positions, meta.state_slots, meta.block_tables, cache.tail[layer], self.ape,
+                            pool_keys, scales, kp, bs)
+        n = x.shape[0]
+        n_complete = torch.div(positions + 1, kp, rounding_mode="floor")
+        q = F.linear(q_resid, self.wq_b).view(n, self.n_heads, self.head_dim)
+        w = F.linear(x.to(self.w_heads.dtype), self.w_heads).float() * self.n_heads ** -0.5
+        row_seq = torch.arange(n, device=x.device, dtype=torch.int32)
+        max_pools = meta.block_tables.shape[1] * cache.pools_per_block
+        scores = indexer_scores(q, w, pool_keys, scales, meta.block_tables, row_seq, n_complete,
+                                cache.pools_per_block, self.head_dim ** -0.5, max_pools)
+        return select_token_slots(scores, n_complete, positions, meta.block_tables, row_seq, self.n_select, kp, bs)

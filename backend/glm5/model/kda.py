@@ -129,16 +129,24 @@ class KDALayer:
         self.a_log = weights[f"{p}.A_log"]
         self.dt_bias = weights[f"{p}.dt_bias"]
         self.o_norm = weights[f"{p}.o_norm.weight"]
+        self.a_log_flat = self.a_log.float().reshape(-1).contiguous()      # [H] for fla's in-kernel gate
+        self.dt_bias_flat = self.dt_bias.float().reshape(-1).contiguous()  # [H * d]
         self.o_proj = weights[f"{p}.o_proj.weight"]
         self._conv_inputs: dict[int, torch.Tensor] = {}  # recording chunks' conv inputs, per state slot
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
         proj = F.linear(x, self.w_in)
         mixed, f_a, g_a, b = proj.split(self.splits, dim=-1)
-        g = kda_gate(F.linear(f_a, self.f_b), self.a_log, self.dt_bias, self.cfg.linear_lower_bound, self.head_dim)
-        beta = torch.sigmoid(b).float()
+        f = F.linear(f_a, self.f_b)
         gate = F.linear(g_a, self.g_b)
         conv_state, rec_state = cache.conv[self.layer], cache.recurrent[self.layer]
+        if batch.decode is not None:
+            core = self._core_decode(mixed, f, b, batch.decode.state_slots, conv_state, rec_state)
+            y = gated_rms_norm(core.to(x.dtype), gate.view(-1, self.heads, self.head_dim), self.o_norm,
+                               self.cfg.rms_norm_eps)
+            return F.linear(y.reshape(x.shape[0], self.dim), self.o_proj)
+        g = kda_gate(f, self.a_log, self.dt_bias, self.cfg.linear_lower_bound, self.head_dim)
+        beta = torch.sigmoid(b).float()
         if kda_backend(x.device, x.dtype) == "fla":
             core = self._core_fla(mixed, g, beta, batch, conv_state, rec_state)
         else:
@@ -172,6 +180,44 @@ class KDALayer:
             out[rows] = F.silu(F.conv1d(seq_in.t().unsqueeze(0), self.conv_w.unsqueeze(1).to(seq_in.dtype),
                                         groups=seq_in.shape[1])[0].t())
         return out
+
+    def _core_decode(self, mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+                     conv_state: torch.Tensor, rec_state: torch.Tensor) -> torch.Tensor:
+        """Batched decode (one row per request, rows aligned with ``slots``): one conv step and one
+        recurrence step for the whole batch, states gathered and written back by slot tensors — no
+        host sync, CUDA-graph capturable. ``f`` is the gate projection before :func:`kda_gate`, ``b``
+        the β logits. fla's ``fused_recurrent_kda_fwd`` updates the slot pool in place and computes
+        the l2 norms, the gate and the β sigmoid inside the kernel (same formulas and eps as
+        :func:`kda_gate` / ``l2_normalize``: ~20 fewer launches per layer); the torch step is the same
+        recurrence vectorised over requests."""
+        window = torch.cat([conv_state.index_select(0, slots).to(mixed.dtype), mixed.unsqueeze(1)], dim=1)
+        conv_state.index_copy_(0, slots, window[:, 1:].to(conv_state.dtype))
+        conv = F.silu((window * self.conv_w.t().to(mixed.dtype).unsqueeze(0)).sum(dim=1))  # [N, 3D]
+        n = mixed.shape[0]
+        q, k, v = conv.view(n, 3, self.heads, self.head_dim).unbind(1)
+        scale = self.head_dim ** -0.5
+        if kda_backend(mixed.device, mixed.dtype) == "fla":
+            from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+            v = v.contiguous().unsqueeze(1)
+            out, _ = fused_recurrent_kda_fwd(
+                q.contiguous().unsqueeze(1), k.contiguous().unsqueeze(1), v,
+                f.view(n, 1, self.heads, self.head_dim).contiguous(), b.contiguous().unsqueeze(1),
+                A_log=self.a_log_flat, dt_bias=self.dt_bias_flat, initial_state=rec_state, scale=scale,
+                inplace_final_state=True, ssm_state_indices=slots, use_qk_l2norm_in_kernel=True,
+                use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                lower_bound=self.cfg.linear_lower_bound, out=torch.empty_like(v))
+            return out[:, 0].float()
+        g = kda_gate(f, self.a_log, self.dt_bias, self.cfg.linear_lower_bound, self.head_dim)
+        beta = torch.sigmoid(b).float()
+        q = l2_normalize(q.float()) * scale
+        k = l2_normalize(k.float())
+        state = rec_state.index_select(0, slots) * g.exp().unsqueeze(-1)             # [N, H, dk, dv]
+        kv_mem = (state * k.unsqueeze(-1)).sum(dim=-2)
+        delta = (v.float() - kv_mem) * beta.unsqueeze(-1)
+        state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+        rec_state.index_copy_(0, slots, state)
+        return (state * q.unsqueeze(-1)).sum(dim=-2)
 
     def _core_torch(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch,
                     conv_state: torch.Tensor, rec_state: torch.Tensor) -> torch.Tensor:

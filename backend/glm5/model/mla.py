@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import TextConfig
-from glm5.model.backends import attn_backend
+from glm5.model.backends import attn_backend, decode_attn_backend
 from glm5.model.batch import ForwardBatch
 from glm5.model.indexer import KPoolIndexer
 from glm5.model.norms import rms_norm
@@ -48,6 +48,8 @@ class MLALayer:
         latent = rms_norm(F.linear(x, self.kv_a), self.kv_a_norm, eps)
         raw_index = self.indexer.keys(x)
         lat_cache = cache.latent[self.layer]
+        if batch.decode is not None:
+            return self._decode(x, q_resid, q, latent, raw_index, batch, cache)
         out = torch.empty(x.shape[0], self.heads, self.d_v, dtype=x.dtype, device=x.device)
         for s in batch.seqs:
             rows = slice(s.start, s.end)
@@ -66,6 +68,32 @@ class MLALayer:
                     and int(mask.sum()) == s.num_tokens * (s.num_tokens + 1) // 2))  # visible ⊆ causal
             else:
                 out[rows] = self._expanded(q[rows], ctx, mask)
+        return F.linear(out.reshape(x.shape[0], -1), self.o_proj)
+
+    def _decode(self, x: torch.Tensor, q_resid: torch.Tensor, q: torch.Tensor, latent: torch.Tensor,
+                raw_index: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
+        """Batched decode (one query row per request): every request's selection and attention in
+        a few batch-wide launches — no per-request loop, no host sync, so a CUDA graph can capture it.
+        Same function as the per-request path: latent write, tail append / pool completion, index
+        scores, top pools by (score, pool id), expansion + tail, absorbed attention over the selection."""
+        meta = batch.decode
+        lat_cache = cache.latent[self.layer]
+        lat_cache.index_copy_(0, meta.slot_mapping, latent.to(lat_cache.dtype))
+        idx = self.indexer.decode_select(x, q_resid, raw_index, batch.positions, meta, cache, self.layer)
+        q_lat = torch.einsum("nhd,hdr->nhr", q, self.w_uk)
+        backend = decode_attn_backend(x.device, x.dtype)
+        if backend == "triton":
+            from glm5_kernels.sparse_mla_decode import sparse_mla_decode
+            o_lat = sparse_mla_decode(q_lat, lat_cache, idx, self.scale)
+        elif backend == "flashinfer":
+            if meta.flashinfer is None:
+                raise RuntimeError("decode_attn_backend is flashinfer but the step was not planned: the model "
+                                   "runner must set DecodeMeta.flashinfer (FlashInferSparseMLA.plan) before the forward")
+            o_lat = meta.flashinfer.run(q_lat, lat_cache, idx)
+        else:
+            from glm5_kernels.sparse_mla_decode import sparse_mla_decode_ref
+            o_lat = sparse_mla_decode_ref(q_lat, lat_cache, idx, self.scale)
+        out = torch.einsum("nhr,hdr->nhd", o_lat.to(x.dtype), self.w_uv)
         return F.linear(out.reshape(x.shape[0], -1), self.o_proj)
 
     def _softmax(self, scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from glm5.config import TextConfig
+from glm5.model.backends import moe_backend
 from glm5.model.mlp import clamped_swiglu, swiglu_mlp
 
 
@@ -59,6 +60,15 @@ class MoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         routing = route(x, self.gate_w, self.bias, self.cfg)
+        shared = swiglu_mlp(x, *self.shared, self.cfg.swiglu_limit)
+        if moe_backend(x.device) == "triton":
+            from glm5_kernels.fused_moe import fused_moe
+            return fused_moe(x, self.w_gate, self.w_up, self.w_down, routing.weights, routing.experts,
+                             self.cfg.swiglu_limit) + shared
+        return self._routed_loop(x, routing) + shared
+
+    def _routed_loop(self, x: torch.Tensor, routing: RoutingResult) -> torch.Tensor:
+        """Reference: one GEMM pair per touched expert (syncs once with the host for the counts)."""
         out = torch.zeros_like(x)
         flat_experts = routing.experts.flatten()
         token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(routing.experts.shape[1])
@@ -75,4 +85,4 @@ class MoE:
             h = clamped_swiglu(F.linear(x[toks], self.w_gate[e]), F.linear(x[toks], self.w_up[e]), self.cfg.swiglu_limit)
             y = F.linear(h, self.w_down[e]) * flat_weights[idx, None]
             out.index_add_(0, toks, y.to(out.dtype))
-        return out + swiglu_mlp(x, *self.shared, self.cfg.swiglu_limit)
+        return out

@@ -1,0 +1,159 @@
+"""Decode steps without per-step host work: pinned input staging and CUDA-graph replay.
+
+A decode step of a small batch is bound by kernel launches (several thousand per step on the real
+layer shapes), not by the GPU. The batched decode path (:class:`~glm5.model.batch.DecodeMeta`) has
+no per-request loop and no host sync, so the whole forward — embeddings to logits — can be captured
+once per batch-size bucket and replayed: one launch per step.
+
+* :class:`DecodeStager` owns one pinned host buffer and the static device buffers of a decode step
+  (token ids, positions, state slots, latent slot of each row, padded block tables). A step writes
+  its rows into the pinned buffer, pads up to the bucket size with rows that point at the cache's
+  scratch block and slot, and issues one asynchronous host-to-device copy per tensor.
+* :class:`DecodeGraphRunner` captures the model's forward over those static buffers for every
+  bucket (largest first, one shared memory pool) and replays the smallest bucket that fits.
+
+The graph's outputs are static tensors overwritten by the next replay: callers consume (or clone)
+them within the step, as the engine does (sampling, then the MTP proposal).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from glm5.cache.hybrid_cache import HybridCache
+from glm5.model.batch import DecodeMeta, ForwardBatch
+from glm5.model.glm5 import Glm5ForCausalLM, ModelOutput
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    """Bucket sizes up to ``max_batch`` (which is always one of them)."""
+    out = [b for b in DEFAULT_BUCKETS if b < max_batch]
+    return out + [max_batch]
+
+
+@dataclass
+class DecodeRows:
+    """Host-side description of a decode step, one entry per request (in batch row order)."""
+
+    tokens: list[int]
+    positions: list[int]
+    state_slots: list[int]
+    block_tables: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class DecodeStager:
+    """Pinned host staging and static device buffers for decode-step inputs (see module docstring)."""
+
+    def __init__(self, cache: HybridCache, max_batch: int, max_blocks: int, device: torch.device):
+        self.cache, self.max_batch, self.max_blocks, self.device = cache, max_batch, max_blocks, device
+        pin = device.type == "cuda"
+        self.host_i64 = torch.zeros(4, max_batch, dtype=torch.int64, pin_memory=pin)
+        self.host_bt = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.dev_i64 = torch.zeros(4, max_batch, dtype=torch.int64, device=device)
+        self.dev_bt = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
+        self.logits_indices = torch.arange(max_batch, dtype=torch.int64, device=device)
+        self._copied = torch.cuda.Event() if pin else None
+        self._pad_slot = cache.scratch_block * cache.block_size  # latent row of a padding row's token
+
+    def stage(self, rows: DecodeRows, padded: int) -> ForwardBatch:
+        """Write ``rows`` (then padding up to ``padded`` rows) into the device buffers; return the batch view."""
+        n = len(rows)
+        if not n <= padded <= self.max_batch:
+            raise ValueError(f"decode batch of {n} rows padded to {padded}: must be <= max batch {self.max_batch}")
+        longest = max((len(bt) for bt in rows.block_tables), default=0)
+        if longest > self.max_blocks:
+            raise ValueError(f"a request holds {longest} blocks but the decode buffers have {self.max_blocks} "
+                             "columns (max_model_len / block_size); raise max_model_len")
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have left the pinned buffer
+        bs = self.cache.block_size
+        h = self.host_i64.numpy()
+        bt = self.host_bt.numpy()
+        h[0, :n] = rows.tokens
+        h[1, :n] = rows.positions
+        h[2, :n] = rows.state_slots
+        bt[:padded] = self.cache.scratch_block
+        for i, (table, pos) in enumerate(zip(rows.block_tables, rows.positions)):
+            bt[i, : len(table)] = table
+            h[3, i] = table[pos // bs] * bs + pos % bs
+        h[0, n:padded] = 0
+        h[1, n:padded] = 0
+        h[2, n:padded] = self.cache.scratch_slot
+        h[3, n:padded] = self._pad_slot
+        self.dev_i64[:, :padded].copy_(self.host_i64[:, :padded], non_blocking=True)
+        self.dev_bt[:padded].copy_(self.host_bt[:padded], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        return self.view(padded, positions_host=list(rows.positions))
+
+    def view(self, b: int, positions_host: list[int] | None = None) -> ForwardBatch:
+        """The first ``b`` rows of the static buffers as a decode batch (logits for every row)."""
+        ids, pos, slots, slot_map = (self.dev_i64[i, :b] for i in range(4))
+        return ForwardBatch(input_ids=ids, positions=pos, seqs=[], logits_indices=self.logits_indices[:b],
+                            decode=DecodeMeta(state_slots=slots, block_tables=self.dev_bt[:b],
+                                              slot_mapping=slot_map, positions_host=positions_host))
+
+    def fill_padding(self, b: int) -> None:
+        """Every row a padding row (before warm-up and capture, so they touch only scratch cache rows)."""
+        self.stage(DecodeRows([], [], [], []), b)
+
+
+class DecodeGraphRunner:
+    """CUDA graphs of the model's batched decode forward, one per batch bucket."""
+
+    def __init__(self, model: Glm5ForCausalLM, cache: HybridCache, stager: DecodeStager,
+                 buckets: list[int] | None = None):
+        self.model, self.cache, self.stager = model, cache, stager
+        self.buckets = sorted(buckets or graph_buckets(stager.max_batch))
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, ModelOutput]] = {}
+        self.pool = None
+
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for b in reversed(self.buckets):  # largest first: later graphs reuse its memory pool
+                self.stager.fill_padding(b)
+                batch = self.stager.view(b)
+                for _ in range(2):  # compile / autotune every kernel outside capture
+                    self.model.forward(batch, self.cache)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    out = self.model.forward(batch, self.cache)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[b] = (graph, out)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.buckets,
+                    time.perf_counter() - t0)
+
+    def bucket_for(self, n: int) -> int | None:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        return None
+
+    def run(self, rows: DecodeRows) -> tuple[ForwardBatch, ModelOutput]:
+        """Stage ``rows``, replay the fitting graph; outputs are views of the graph's static tensors."""
+        n = len(rows)
+        b = self.bucket_for(n)
+        if b is None or b not in self.graphs:
+            raise ValueError(f"no captured decode graph for {n} rows (buckets {self.buckets})")
+        batch = self.stager.stage(rows, b)
+        graph, out = self.graphs[b]
+        graph.replay()
+        return batch, ModelOutput(logits=out.logits[:n], hidden=out.hidden[:n])
