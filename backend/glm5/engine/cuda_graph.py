@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -95,7 +96,7 @@ class DecodeStager:
         self.dev_bt[:padded].copy_(self.host_bt[:padded], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        return self.view(padded, positions_host=list(rows.positions))
+        return self.view(padded, positions_host=list(rows.positions) + [0] * (padded - n))
 
     def view(self, b: int, positions_host: list[int] | None = None) -> ForwardBatch:
         """The first ``b`` rows of the static buffers as a decode batch (logits for every row)."""
@@ -113,8 +114,11 @@ class DecodeGraphRunner:
     """CUDA graphs of the model's batched decode forward, one per batch bucket."""
 
     def __init__(self, model: Glm5ForCausalLM, cache: HybridCache, stager: DecodeStager,
-                 buckets: list[int] | None = None):
+                 buckets: list[int] | None = None, prepare: Callable[[ForwardBatch], None] | None = None):
+        """``prepare(batch)``: host-side work before every forward of a staged batch (capture and replay),
+        e.g. planning FlashInfer's MLA wrapper into the fixed buffers the graph reads."""
         self.model, self.cache, self.stager = model, cache, stager
+        self.prepare = prepare or (lambda batch: None)
         self.buckets = sorted(buckets or graph_buckets(stager.max_batch))
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, ModelOutput]] = {}
         self.pool = None
@@ -126,7 +130,8 @@ class DecodeGraphRunner:
         with torch.cuda.stream(stream):
             for b in reversed(self.buckets):  # largest first: later graphs reuse its memory pool
                 self.stager.fill_padding(b)
-                batch = self.stager.view(b)
+                batch = self.stager.view(b, positions_host=[0] * b)
+                self.prepare(batch)
                 for _ in range(2):  # compile / autotune every kernel outside capture
                     self.model.forward(batch, self.cache)
                 torch.cuda.synchronize()
@@ -154,6 +159,7 @@ class DecodeGraphRunner:
         if b is None or b not in self.graphs:
             raise ValueError(f"no captured decode graph for {n} rows (buckets {self.buckets})")
         batch = self.stager.stage(rows, b)
+        self.prepare(batch)
         graph, out = self.graphs[b]
         graph.replay()
         return batch, ModelOutput(logits=out.logits[:n], hidden=out.hidden[:n])

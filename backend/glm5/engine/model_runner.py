@@ -87,6 +87,7 @@ class ModelRunner:
         self.vision_calls = 0
         self.batched_decode = decode_path == "batched" or (decode_path == "auto" and device.type == "cuda")
         self.stager: DecodeStager | None = None
+        self.fi_mla = None  # FlashInferSparseMLA, made on first use when decode_attn_backend is flashinfer
         self.graphs: DecodeGraphRunner | None = None
         if self.batched_decode:
             max_len = max_model_len or cache_cfg.num_blocks * cache_cfg.block_size
@@ -230,15 +231,29 @@ class ModelRunner:
             reason = "the torch MoE (per-expert loop) syncs with the host; use moe_backend=triton"
         elif index_backend(self.device) != "triton":
             reason = "index_backend is torch"
-        elif decode_attn_backend(self.device, self.dtype) == "flashinfer":
-            reason = "decode_attn_backend=flashinfer plans per step on the host (runs eagerly)"
         if reason is not None:
             logger.info("decode CUDA graphs off: %s", reason)
             return reason
         buckets = graph_buckets(min(max_batch or self.stager.max_batch, self.stager.max_batch))
-        self.graphs = DecodeGraphRunner(self.model, self.cache, self.stager, buckets)
+        self.graphs = DecodeGraphRunner(self.model, self.cache, self.stager, buckets, prepare=self._prepare_decode)
         self.graphs.capture()
         return None
+
+    def _prepare_decode(self, batch: ForwardBatch) -> None:
+        """Plan the FlashInfer sparse-MLA wrapper for this step when that backend runs (host work, before
+        the forward or graph replay; one plan serves every MLA layer)."""
+        from glm5.model.backends import decode_attn_backend
+        if decode_attn_backend(self.device, self.dtype) != "flashinfer":
+            return
+        from glm5_kernels.flashinfer_mla import FlashInferSparseMLA
+        from glm5_kernels.indexer import count_selected
+        t = self.cfg.text
+        if self.fi_mla is None:
+            self.fi_mla = FlashInferSparseMLA(t.num_attention_heads, self.stager.max_batch,
+                                              t.index_topk + t.index_kpool - 1, t.qk_head_dim ** -0.5,
+                                              head_dim=t.kv_lora_rank, dtype=self.dtype, device=self.device)
+        self.fi_mla.plan(count_selected(batch.decode.positions_host, t.index_topk // t.index_kpool, t.index_kpool))
+        batch.decode.flashinfer = self.fi_mla
 
     def _decode_rows(self, sched: SchedulerOutput) -> DecodeRows | None:
         """The step as decode rows, or ``None`` when some chunk is not a plain single-token step
@@ -264,6 +279,7 @@ class ModelRunner:
             batch, out = self.graphs.run(rows)
         else:
             batch = self.stager.stage(rows, n)
+            self._prepare_decode(batch)
             out = self.model.forward(batch, self.cache)
         meta = batch.decode
         batch.seqs = [SeqChunk(start=i, num_tokens=1, context_len=p, block_table=meta.block_tables[i],
