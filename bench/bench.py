@@ -167,12 +167,18 @@ def decode_rows(s: "Setup", b: int, ctx: int):
 def run_decode(s: "Setup", batches, ctxs, reps: int, log, graphs: bool = True) -> list[dict]:
     """Decode steps through the engine's batched path: eager (one launch per kernel) and replayed as a
     CUDA graph (what the engine runs), on the same staged inputs."""
-    from glm5.engine.cuda_graph import DecodeGraphRunner, DecodeStager
+    from glm5.engine.cuda_graph import DecodeAttentionPlanner, DecodeGraphRunner, DecodeStager
     stager = DecodeStager(s.cache, max(batches), s.blocks_per_req, torch.device("cuda"))
+    planner = DecodeAttentionPlanner(s.cfg.text, max(batches), torch.bfloat16, torch.device("cuda"))
+
+    def staged(rows, b):
+        batch = stager.stage(rows, b)
+        planner(batch)
+        return batch
     runner = None
     if graphs:
         try:
-            runner = DecodeGraphRunner(s.model, s.cache, stager, sorted(batches))
+            runner = DecodeGraphRunner(s.model, s.cache, stager, sorted(batches), prepare=planner)
             t0 = time.perf_counter()
             runner.capture()
             log({"graphs_captured": sorted(batches), "capture_s": time.perf_counter() - t0})
@@ -185,13 +191,13 @@ def run_decode(s: "Setup", batches, ctxs, reps: int, log, graphs: bool = True) -
         for b in batches:
             try:
                 rows = decode_rows(s, b, ctx)
-                batch = stager.stage(rows, b)
+                batch = staged(rows, b)
                 s.touched.clear()
                 s.model.forward(batch, s.cache)  # eager, records the experts the routing touches
                 torch.cuda.synchronize()
                 touched = list(s.touched)
                 s.recording = False
-                eager = timed(lambda: s.model.forward(stager.stage(rows, b), s.cache), reps, warmup=1)
+                eager = timed(lambda: s.model.forward(staged(rows, b), s.cache), reps, warmup=1)
                 row = {"batch": b, "ctx": ctx, "eager_step_s": median(eager), "experts_touched": touched,
                        "bytes": s.decode_bytes(b, ctx, touched)}
                 if runner is not None:
@@ -209,6 +215,25 @@ def run_decode(s: "Setup", batches, ctxs, reps: int, log, graphs: bool = True) -
             log(row)
             rows_out.append(row)
     return rows_out
+
+
+def run_decode_flashinfer(s: "Setup", batches, ctxs, log) -> list[dict]:
+    """End-to-end decode (CUDA graphs) with each sparse-MLA decode backend, same weights and cache."""
+    from glm5.model import backends
+    out = []
+    for backend in ("triton", "flashinfer"):
+        try:
+            backends.set_backends(decode_attn=backend)
+            for row in run_decode(s, batches, ctxs, reps=5, log=log):
+                out.append({**row, "decode_attn": backend})
+        except Exception as e:
+            out.append({"decode_attn": backend, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            log(out[-1])
+        finally:
+            backends.set_backends(decode_attn="auto")
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
 
 
 def profile_decode(s: "Setup", b: int, ctx: int, out: Path) -> dict:

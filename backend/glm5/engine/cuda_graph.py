@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from glm5.cache.hybrid_cache import HybridCache
+from glm5.config import TextConfig
 from glm5.model.batch import DecodeMeta, ForwardBatch
 from glm5.model.glm5 import Glm5ForCausalLM, ModelOutput
 
@@ -108,6 +109,32 @@ class DecodeStager:
     def fill_padding(self, b: int) -> None:
         """Every row a padding row (before warm-up and capture, so they touch only scratch cache rows)."""
         self.stage(DecodeRows([], [], [], []), b)
+
+
+class DecodeAttentionPlanner:
+    """Host-side planning of the decode attention backend before each forward / graph replay.
+
+    Only FlashInfer needs it: its MLA wrapper schedules work from every query row's selection size,
+    which depends only on the positions (:func:`glm5_kernels.indexer.count_selected`), so one plan per
+    step serves every MLA layer and no device value is read. The Triton and torch backends need nothing."""
+
+    def __init__(self, text_cfg: TextConfig, max_batch: int, dtype: torch.dtype, device: torch.device):
+        self.cfg, self.max_batch, self.dtype, self.device = text_cfg, max_batch, dtype, device
+        self.wrapper = None  # FlashInferSparseMLA, made on first use
+
+    def __call__(self, batch: ForwardBatch) -> None:
+        from glm5.model.backends import decode_attn_backend
+        if decode_attn_backend(self.device, self.dtype) != "flashinfer":
+            return
+        from glm5_kernels.flashinfer_mla import FlashInferSparseMLA
+        from glm5_kernels.indexer import count_selected
+        t = self.cfg
+        if self.wrapper is None:
+            self.wrapper = FlashInferSparseMLA(t.num_attention_heads, self.max_batch, t.index_topk + t.index_kpool - 1,
+                                               t.qk_head_dim ** -0.5, head_dim=t.kv_lora_rank, dtype=self.dtype,
+                                               device=self.device)
+        self.wrapper.plan(count_selected(batch.decode.positions_host, t.index_topk // t.index_kpool, t.index_kpool))
+        batch.decode.flashinfer = self.wrapper
 
 
 class DecodeGraphRunner:

@@ -16,7 +16,7 @@ import torch
 
 from glm5.cache.hybrid_cache import CacheConfig, HybridCache
 from glm5.config import ModelConfig
-from glm5.engine.cuda_graph import DecodeGraphRunner, DecodeRows, DecodeStager, graph_buckets
+from glm5.engine.cuda_graph import DecodeAttentionPlanner, DecodeGraphRunner, DecodeRows, DecodeStager, graph_buckets
 from glm5.engine.scheduler import SchedulerOutput
 from glm5.engine.sequence import MultiModalData, Sequence
 from glm5.model.batch import ForwardBatch, SeqChunk
@@ -87,12 +87,12 @@ class ModelRunner:
         self.vision_calls = 0
         self.batched_decode = decode_path == "batched" or (decode_path == "auto" and device.type == "cuda")
         self.stager: DecodeStager | None = None
-        self.fi_mla = None  # FlashInferSparseMLA, made on first use when decode_attn_backend is flashinfer
         self.graphs: DecodeGraphRunner | None = None
         if self.batched_decode:
             max_len = max_model_len or cache_cfg.num_blocks * cache_cfg.block_size
             max_blocks = -(-max_len // cache_cfg.block_size)
             self.stager = DecodeStager(self.cache, cache_cfg.num_state_slots, max_blocks, device)
+            self._prepare_decode = DecodeAttentionPlanner(cfg.text, self.stager.max_batch, dtype, device)
         logger.info("hybrid cache: %d blocks × %d tokens, %d state slots, %.1f MiB", cache_cfg.num_blocks,
                     cache_cfg.block_size, cache_cfg.num_state_slots, self.cache.nbytes() / 2**20)
 
@@ -238,22 +238,6 @@ class ModelRunner:
         self.graphs = DecodeGraphRunner(self.model, self.cache, self.stager, buckets, prepare=self._prepare_decode)
         self.graphs.capture()
         return None
-
-    def _prepare_decode(self, batch: ForwardBatch) -> None:
-        """Plan the FlashInfer sparse-MLA wrapper for this step when that backend runs (host work, before
-        the forward or graph replay; one plan serves every MLA layer)."""
-        from glm5.model.backends import decode_attn_backend
-        if decode_attn_backend(self.device, self.dtype) != "flashinfer":
-            return
-        from glm5_kernels.flashinfer_mla import FlashInferSparseMLA
-        from glm5_kernels.indexer import count_selected
-        t = self.cfg.text
-        if self.fi_mla is None:
-            self.fi_mla = FlashInferSparseMLA(t.num_attention_heads, self.stager.max_batch,
-                                              t.index_topk + t.index_kpool - 1, t.qk_head_dim ** -0.5,
-                                              head_dim=t.kv_lora_rank, dtype=self.dtype, device=self.device)
-        self.fi_mla.plan(count_selected(batch.decode.positions_host, t.index_topk // t.index_kpool, t.index_kpool))
-        batch.decode.flashinfer = self.fi_mla
 
     def _decode_rows(self, sched: SchedulerOutput) -> DecodeRows | None:
         """The step as decode rows, or ``None`` when some chunk is not a plain single-token step
