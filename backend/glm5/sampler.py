@@ -264,6 +264,14 @@ class Sampler:
         Greedy rows get penalties and min-tokens masking only. The input is not modified. Also
         useful to a speculative-decoding verifier that needs the target distribution.
         """
+        x = self._penalize(logits, params, output_token_ids=output_token_ids, prompt_token_ids=prompt_token_ids,
+                           eos_token_ids=eos_token_ids)
+        return self._temper_and_filter(x, params)
+
+    def _penalize(self, logits: torch.Tensor, params: Sequence[SamplingParams], *,
+                  output_token_ids: Sequence[Sequence[int]], prompt_token_ids: Sequence[Sequence[int]] | None,
+                  eos_token_ids: Sequence[Sequence[int]] | None) -> torch.Tensor:
+        """Steps 1-2 on an fp32 copy: penalties and min-tokens masking."""
         rows = logits.shape[0]
         _check_rows("params", params, rows)
         _check_rows("output_token_ids", output_token_ids, rows)
@@ -276,7 +284,10 @@ class Sampler:
                 eos_token_ids = [[] for _ in range(rows)]
                 logger.debug("process_logits: no eos_token_ids given; min_tokens masks stop_token_ids only")
             apply_min_tokens(x, params, [len(o) for o in output_token_ids], eos_token_ids)
+        return x
 
+    def _temper_and_filter(self, x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Step 4 in place on the sampled rows of ``x``: temperature, top-k, top-p, min-p."""
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if not sampled:
             return x
@@ -341,16 +352,21 @@ class Sampler:
             lp_idx = torch.tensor(want_lp, dtype=torch.int64, device=logits.device)
             raw_lp = torch.log_softmax(logits.index_select(0, lp_idx).to(torch.float32), dim=1)
 
-        x = self.process_logits(
-            logits,
-            params,
-            output_token_ids=output_token_ids,
-            prompt_token_ids=prompt_token_ids,
-            eos_token_ids=eos_token_ids,
-        )
-        out = torch.argmax(x, dim=1)  # greedy rows keep this; sampled rows are overwritten below
-
+        pen = self._penalize(logits, params, output_token_ids=output_token_ids, prompt_token_ids=prompt_token_ids,
+                             eos_token_ids=eos_token_ids)
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        fused = self._flashinfer_rows(sampled, generators, logits.device)
+        x = self._temper_and_filter(pen.clone() if fused else pen, params)
+        out = torch.argmax(x, dim=1)  # greedy rows keep this; sampled rows are overwritten below
+        if fused:
+            # unseeded sampled rows: FlashInfer's fused top-k/top-p/min-p sampling from the penalised logits
+            from glm5.flashinfer_sampling import flashinfer_sample
+            fidx = torch.tensor(fused, dtype=torch.int64, device=x.device)
+            tok = flashinfer_sample(pen.index_select(0, fidx), [params[i].temperature for i in fused],
+                                    [params[i].top_k for i in fused], [params[i].top_p for i in fused],
+                                    [params[i].min_p for i in fused], generator=self.shared_generator(x.device))
+            out.index_copy_(0, fidx, tok)
+            sampled = [i for i in sampled if i not in set(fused)]
         if sampled:
             device = x.device
             idx = torch.tensor(sampled, dtype=torch.int64, device=device)
@@ -369,6 +385,18 @@ class Sampler:
         return SamplerOutput(token_ids=out, logprobs=logprobs)
 
     __call__ = sample
+
+    @staticmethod
+    def _flashinfer_rows(sampled: list[int], generators: Sequence[torch.Generator | None] | None,
+                         device: torch.device) -> list[int]:
+        """Sampled rows without their own generator, when the sampling backend is FlashInfer (seeded rows
+        keep the torch path: FlashInfer's random stream depends on the row's batch position)."""
+        if not sampled or device.type != "cuda":
+            return []
+        from glm5.model.backends import sampling_backend
+        if sampling_backend(device) != "flashinfer":
+            return []
+        return [i for i in sampled if generators is None or generators[i] is None]
 
     def _exponentials(
         self,

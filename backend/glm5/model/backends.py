@@ -122,29 +122,56 @@ def flashinfer_import_error() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1)
+def flashinfer_jit_error() -> str | None:
+    """``None`` if FlashInfer's kernels can be built or loaded here: nvcc is on PATH (first use JIT-compiles,
+    ~90 s once, cached) or compiled modules are already installed (``glm5_kernels.flashinfer_mla --warmup`` /
+    ``--install-prebuilt``)."""
+    import shutil
+    if shutil.which("nvcc"):
+        return None
+    try:
+        from flashinfer.jit import env as jit_env
+        from pathlib import Path
+        for root in (jit_env.FLASHINFER_JIT_DIR, jit_env.FLASHINFER_AOT_DIR):
+            if any(Path(root).glob("*/*.so")):
+                return None
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no nvcc on PATH and no compiled FlashInfer modules (run python -m glm5_kernels.flashinfer_mla --warmup)"
+
+
+def _flashinfer_error(device: torch.device, dtype: torch.dtype | None) -> str | None:
+    if device.type != "cuda":
+        return "tensors are not on a CUDA device"
+    err = flashinfer_import_error()
+    if err is None and not _sm90_or_newer(device):
+        err = f"GPU capability {torch.cuda.get_device_capability(device)} < (9, 0)"
+    if err is None and dtype is not None and dtype not in (torch.bfloat16, torch.float16):
+        err = f"dtype {dtype} (FlashInfer's kernels take bf16/fp16)"
+    return err or flashinfer_jit_error()
+
+
 def _sm90_or_newer(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def decode_attn_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
-    """``"triton"``, ``"flashinfer"`` or ``"torch"`` for the sparse NoPE MLA decode (and verification rows).
+    """``"flashinfer"``, ``"triton"`` or ``"torch"`` for the sparse NoPE MLA decode (and verification rows).
 
-    ``auto``: on CUDA the Triton kernel (measured faster than FlashInfer's FA3 MLA on the H200, see
-    bench/RESULTS.md); fp32 tensors keep the torch reference unless asked, like KDA. FlashInfer runs only
-    when asked: its kernels need an SM90+ GPU, bf16/fp16 and an nvcc JIT on first use."""
+    ``auto`` on CUDA: FlashInfer's FA3 MLA (page size 1) when it can run — it imports, SM90+, bf16/fp16, and
+    nvcc or prebuilt modules are there — because it measured faster than our Triton kernel on the H200
+    (bench/RESULTS.md); else the Triton kernel (fp32 included, IEEE products); the torch reference on CPU."""
     want = _requested("decode_attn", DECODE_ATTN_CHOICES)
     if want == "torch":
         return "torch"
-    if want == "flashinfer":
-        err = flashinfer_import_error() if device.type == "cuda" else "tensors are not on a CUDA device"
-        if err is None and not _sm90_or_newer(device):
-            err = f"GPU capability {torch.cuda.get_device_capability(device)} < (9, 0)"
-        if err is None and dtype is not None and dtype not in (torch.bfloat16, torch.float16):
-            err = f"dtype {dtype} (FlashInfer's MLA kernels take bf16/fp16)"
-        if err is not None:
+    if want in ("flashinfer", "auto"):
+        err = _flashinfer_error(device, dtype)
+        if err is None:
+            return "flashinfer"
+        if want == "flashinfer":
             raise BackendUnavailable(f"decode_attn_backend='flashinfer' cannot run: {err}. Install flashinfer-python "
-                                     "(README: GPU extras) or set GLM5_DECODE_ATTN_BACKEND=triton|torch")
-        return "flashinfer"
+                                     "(README: FlashInfer) or set GLM5_DECODE_ATTN_BACKEND=triton|torch")
     err = triton_import_error() if device.type == "cuda" else "tensors are not on a CUDA device"
     if want == "triton" and err is not None:
         raise BackendUnavailable(f"decode_attn_backend='triton' cannot run: {err}. Run on CUDA with triton "
@@ -180,17 +207,17 @@ def index_backend(device: torch.device) -> str:
 
 
 def sampling_backend(device: torch.device) -> str:
-    """``"flashinfer"`` or ``"torch"`` for sampling rows without a per-request seed (seeded rows always
-    take the reproducible torch path). ``auto`` is torch; see :func:`decode_attn_backend` for why
-    FlashInfer is opt-in."""
+    """``"flashinfer"`` or ``"torch"`` for sampling rows without a per-request seed (seeded rows always take the
+    reproducible torch path). ``auto``: FlashInfer's fused top-k/top-p kernels when they can run (as for
+    :func:`decode_attn_backend`), else torch."""
     want = _requested("sampling", SAMPLING_CHOICES)
-    if want != "flashinfer":
+    if want == "torch":
         return "torch"
-    err = flashinfer_import_error() if device.type == "cuda" else "tensors are not on a CUDA device"
-    if err is not None:
+    err = _flashinfer_error(device, None)
+    if want == "flashinfer" and err is not None:
         raise BackendUnavailable(f"sampling_backend='flashinfer' cannot run: {err}. Install flashinfer-python "
                                  "or set GLM5_SAMPLING_BACKEND=torch")
-    return "flashinfer"
+    return "flashinfer" if err is None else "torch"
 
 
 def attn_backend(device: torch.device) -> str:
