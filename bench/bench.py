@@ -369,7 +369,7 @@ def main() -> int:
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
            "backends": {name: fn(torch.device("cuda")) for name, fn in (
                ("kda", lambda d: backends.kda_backend(d, torch.bfloat16)), ("prefill_attn", backends.attn_backend),
-               ("decode_attn", lambda d: backends.decode_attn_backend(d, torch.bfloat16)),
+               ("decode_attn", lambda d: backends.decode_attn_backend(d, torch.bfloat16, 512)),
                ("index", backends.index_backend), ("moe", backends.moe_backend))}}
     res["ceilings"] = ceilings()
     log(res)

@@ -130,8 +130,17 @@ def test_mhc_pre_post_match_reference_gpu(t, dtype, fp32_matmul_highest):
     assert out.dtype == dtype
     if dtype == torch.float32:
         assert _max_rel(out, outr) < 1e-6, _max_rel(out, outr)
-    else:  # same rounding steps as the reference: bit-identical but for rare accumulation-order ties
-        assert _max_rel(out, outr) < 1e-2 and (out != outr).float().mean().item() < 1e-3
+    else:
+        # The reference rounds post·y and combᵀ·X to bf16 separately before adding (cuBLAS output rounding);
+        # measured on the H200, the kernel differs from it in ~26% of elements by one bf16 ulp (max 4.5e-3
+        # relative). Hold it to the bf16 tolerance and to being no less accurate than torch's own bf16 path
+        # against the exact result from the same (bf16-rounded) inputs.
+        exact = (pr.to(dtype).double().unsqueeze(-1) * y.double().unsqueeze(-2)
+                 + torch.matmul(cr.to(dtype).double().transpose(-1, -2), st.double()))
+        err_kernel = ((out.double() - exact).norm() / exact.norm()).item()
+        err_torch = ((outr.double() - exact).norm() / exact.norm()).item()
+        print(f"mhc_post bf16 T={t}: kernel rel err {err_kernel:.2e}, torch bf16 rel err {err_torch:.2e}")
+        assert _max_rel(out, outr) < 1e-2 and err_kernel <= 1.05 * err_torch + 1e-6
 
 
 @pytest.mark.gpu

@@ -124,7 +124,7 @@ class DecodeAttentionPlanner:
 
     def __call__(self, batch: ForwardBatch) -> None:
         from glm5.model.backends import decode_attn_backend
-        if decode_attn_backend(self.device, self.dtype) != "flashinfer":
+        if decode_attn_backend(self.device, self.dtype, self.cfg.kv_lora_rank) != "flashinfer":
             return
         from glm5_kernels.flashinfer_mla import FlashInferSparseMLA
         from glm5_kernels.indexer import count_selected

@@ -103,7 +103,7 @@ class LLMEngine:
         dev = self.device
         logger.info("backends on %s %s: kda=%s prefill_attn=%s decode_attn=%s index=%s moe=%s sampling=%s "
                     "decode_path=%s", dev, self.dtype, b.kda_backend(dev, self.dtype), b.attn_backend(dev),
-                    b.decode_attn_backend(dev, self.dtype), b.index_backend(dev), b.moe_backend(dev),
+                    b.decode_attn_backend(dev, self.dtype, self.model_config.text.kv_lora_rank), b.index_backend(dev), b.moe_backend(dev),
                     b.sampling_backend(dev), "batched" if self.runner.batched_decode else "per_request")
 
     @staticmethod

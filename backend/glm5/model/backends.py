@@ -141,7 +141,10 @@ def flashinfer_jit_error() -> str | None:
     return "no nvcc on PATH and no compiled FlashInfer modules (run python -m glm5_kernels.flashinfer_mla --warmup)"
 
 
-def _flashinfer_error(device: torch.device, dtype: torch.dtype | None) -> str | None:
+FLASHINFER_MLA_WIDTHS = (128, 256, 512)  # FA3 MLA's head_dim_ckv on SM90
+
+
+def _flashinfer_error(device: torch.device, dtype: torch.dtype | None, latent_width: int | None = None) -> str | None:
     if device.type != "cuda":
         return "tensors are not on a CUDA device"
     err = flashinfer_import_error()
@@ -149,6 +152,8 @@ def _flashinfer_error(device: torch.device, dtype: torch.dtype | None) -> str | 
         err = f"GPU capability {torch.cuda.get_device_capability(device)} < (9, 0)"
     if err is None and dtype is not None and dtype not in (torch.bfloat16, torch.float16):
         err = f"dtype {dtype} (FlashInfer's kernels take bf16/fp16)"
+    if err is None and latent_width is not None and latent_width not in FLASHINFER_MLA_WIDTHS:
+        err = f"kv_lora_rank {latent_width} (FlashInfer's FA3 MLA takes {FLASHINFER_MLA_WIDTHS})"
     return err or flashinfer_jit_error()
 
 
@@ -156,17 +161,17 @@ def _sm90_or_newer(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def decode_attn_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
+def decode_attn_backend(device: torch.device, dtype: torch.dtype | None = None, latent_width: int | None = None) -> str:
     """``"flashinfer"``, ``"triton"`` or ``"torch"`` for the sparse NoPE MLA decode (and verification rows).
 
     ``auto`` on CUDA: FlashInfer's FA3 MLA (page size 1) when it can run — it imports, SM90+, bf16/fp16, and
-    nvcc or prebuilt modules are there — because it measured faster than our Triton kernel on the H200
+    nvcc or prebuilt modules are there, and the latent width (kv_lora_rank) is one FA3 takes — because it measured faster than our Triton kernel on the H200
     (bench/RESULTS.md); else the Triton kernel (fp32 included, IEEE products); the torch reference on CPU."""
     want = _requested("decode_attn", DECODE_ATTN_CHOICES)
     if want == "torch":
         return "torch"
     if want in ("flashinfer", "auto"):
-        err = _flashinfer_error(device, dtype)
+        err = _flashinfer_error(device, dtype, latent_width)
         if err is None:
             return "flashinfer"
         if want == "flashinfer":
