@@ -239,15 +239,21 @@ def run_decode_flashinfer(s: "Setup", batches, ctxs, log) -> list[dict]:
 def profile_decode(s: "Setup", b: int, ctx: int, out: Path) -> dict:
     """Kernel count and summed GPU kernel time of one eager batched decode step (the graph replays the same
     kernels), plus the top kernels."""
-    from glm5.engine.cuda_graph import DecodeStager
+    from glm5.engine.cuda_graph import DecodeAttentionPlanner, DecodeStager
     stager = DecodeStager(s.cache, b, s.blocks_per_req, torch.device("cuda"))
+    planner = DecodeAttentionPlanner(s.cfg.text, b, torch.bfloat16, torch.device("cuda"))
     rows = decode_rows(s, b, ctx)
+
+    def staged():
+        batch = stager.stage(rows, b)
+        planner(batch)
+        return batch
     s.recording = False
-    s.model.forward(stager.stage(rows, b), s.cache)
+    s.model.forward(staged(), s.cache)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
-        s.model.forward(stager.stage(rows, b), s.cache)
+        s.model.forward(staged(), s.cache)
         torch.cuda.synchronize()
     s.recording = True
     ka = prof.key_averages()
@@ -275,7 +281,7 @@ def run_prefill(s: Setup, lengths, chunk: int, log) -> list[dict]:
                                          seqs=[SeqChunk(0, m, lo, bt, slot)],
                                          logits_indices=torch.tensor([m - 1], device="cuda"))
                     s.model.forward(batch, s.cache)
-            times = timed(go, 2 if n <= 8192 else 1, warmup=1)
+            times = timed(go, 3 if n <= 8192 else 1, warmup=1)
             t = median(times)
             fl = s.prefill_flops(n)
             row = {"tokens": n, "chunk": chunk, "time_s": t, "tok_s": n / t, "flops": fl, "tflops": fl / t / 1e12}
@@ -348,6 +354,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--render", type=Path, help="results.json -> bench/RESULTS.md")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--decode-attn", choices=("triton", "flashinfer", "torch"), help="override the auto choice")
     ap.add_argument("--flashinfer", action="store_true", help="also time decode with decode_attn_backend=flashinfer")
     ap.add_argument("--hf-only", action="store_true", help="engine b1 ctx 1K, then transformers, same run")
     args = ap.parse_args()
@@ -386,6 +393,9 @@ def main() -> int:
         res["hf"] = run_hf(1024, 6, log)
         (args.out / "results_hf.json").write_text(json.dumps(res, indent=1, default=str))
         return 0
+    if args.decode_attn:
+        backends.set_backends(decode_attn=args.decode_attn)
+        res["backends"]["decode_attn"] = backends.decode_attn_backend(torch.device("cuda"), torch.bfloat16, 512)
     s = Setup(max(batches), max(ctxs))
     res["weights_bytes"] = {"nonrouted": s.nonrouted_bytes, "per_expert": s.expert_bytes}
     log(res["weights_bytes"])

@@ -162,21 +162,22 @@ def _sm90_or_newer(device: torch.device) -> bool:
 
 
 def decode_attn_backend(device: torch.device, dtype: torch.dtype | None = None, latent_width: int | None = None) -> str:
-    """``"flashinfer"``, ``"triton"`` or ``"torch"`` for the sparse NoPE MLA decode (and verification rows).
+    """``"triton"``, ``"flashinfer"`` or ``"torch"`` for the sparse NoPE MLA decode (and verification rows).
 
-    ``auto`` on CUDA: FlashInfer's FA3 MLA (page size 1) when it can run — it imports, SM90+, bf16/fp16, and
-    nvcc or prebuilt modules are there, and the latent width (kv_lora_rank) is one FA3 takes — because it measured faster than our Triton kernel on the H200
-    (bench/RESULTS.md); else the Triton kernel (fp32 included, IEEE products); the torch reference on CPU."""
+    ``auto`` on CUDA is the Triton kernel (fp32 included, IEEE products), the torch reference on CPU.
+    FlashInfer's FA3 MLA runs when asked and it can (imports, SM90+, bf16/fp16, a latent width FA3 takes,
+    nvcc or prebuilt modules). Why not auto: on the H200 its kernel is 2.4-5.8x faster per call, but a
+    decode step with it was slower end to end (CUDA graphs, b1 ctx 8K: 5.81 ms vs 3.99 ms; b64: 20.4 vs
+    19.3 ms) because its host-side plan costs ~1.8 ms per step (bench/RESULTS.md)."""
     want = _requested("decode_attn", DECODE_ATTN_CHOICES)
     if want == "torch":
         return "torch"
-    if want in ("flashinfer", "auto"):
+    if want == "flashinfer":
         err = _flashinfer_error(device, dtype, latent_width)
-        if err is None:
-            return "flashinfer"
-        if want == "flashinfer":
+        if err is not None:
             raise BackendUnavailable(f"decode_attn_backend='flashinfer' cannot run: {err}. Install flashinfer-python "
                                      "(README: FlashInfer) or set GLM5_DECODE_ATTN_BACKEND=triton|torch")
+        return "flashinfer"
     err = triton_import_error() if device.type == "cuda" else "tensors are not on a CUDA device"
     if want == "triton" and err is not None:
         raise BackendUnavailable(f"decode_attn_backend='triton' cannot run: {err}. Run on CUDA with triton "
@@ -213,16 +214,16 @@ def index_backend(device: torch.device) -> str:
 
 def sampling_backend(device: torch.device) -> str:
     """``"flashinfer"`` or ``"torch"`` for sampling rows without a per-request seed (seeded rows always take the
-    reproducible torch path). ``auto``: FlashInfer's fused top-k/top-p kernels when they can run (as for
-    :func:`decode_attn_backend`), else torch."""
+    reproducible torch path). ``auto`` is torch: FlashInfer's fused top-k/top-p sampling is opt-in (its
+    distribution is checked on the H200; its speed inside the engine is not measured yet)."""
     want = _requested("sampling", SAMPLING_CHOICES)
-    if want == "torch":
+    if want != "flashinfer":
         return "torch"
     err = _flashinfer_error(device, None)
-    if want == "flashinfer" and err is not None:
+    if err is not None:
         raise BackendUnavailable(f"sampling_backend='flashinfer' cannot run: {err}. Install flashinfer-python "
                                  "or set GLM5_SAMPLING_BACKEND=torch")
-    return "flashinfer" if err is None else "torch"
+    return "flashinfer"
 
 
 def attn_backend(device: torch.device) -> str:
