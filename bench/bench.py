@@ -359,8 +359,8 @@ def main() -> int:
     ap.add_argument("--hf-only", action="store_true", help="engine b1 ctx 1K, then transformers, same run")
     args = ap.parse_args()
     if args.render:
-        from render_results import render
-        render(json.loads(args.render.read_text()), ROOT / "bench" / "RESULTS.md")
+        from render_results import finalize, render
+        render(finalize(json.loads(args.render.read_text())), ROOT / "bench" / "RESULTS.md")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     logf = open(args.out / "bench.log", "w")

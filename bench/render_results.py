@@ -1,61 +1,136 @@
-"""Render ``bench/results.json`` (from ``bench/bench.py``) as the markdown tables of ``bench/RESULTS.md``."""
+"""Render ``bench/results.json`` (from ``bench/bench.py``) as the tables of ``bench/RESULTS.md``.
+
+``finalize(res)`` adds the derived per-row fields the issue asks for (``step_ms``, ``roofline_fraction``,
+``peak_fraction``, the bench config) so the JSON is self-describing; ``render`` writes the markdown tables.
+Analysis text (targets, profile evidence) is kept in ``bench/RESULTS_NOTES.md`` and appended verbatim.
+
+Usage: ``python bench/render_results.py results.json [--hf other_run.json] [--flashinfer other_run.json]``
+(``--hf`` / ``--flashinfer`` take transformers' row and the per-backend decode rows from another run).
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
+HERE = Path(__file__).resolve().parent
 
-def decode_table(res: dict) -> list[str]:
-    bw = res["ceilings"]["copy_bw_Bps"]
-    out = ["| batch | ctx | step ms | tok/s | experts touched / MoE layer (mean) | bytes/step GB | roofline ms | % of roofline |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in res["decode"]:
+
+def finalize(res: dict) -> dict:
+    bw, peak = res["ceilings"]["copy_bw_Bps"], res["ceilings"]["matmul_bf16_flops"]
+    for r in res.get("decode", []) + res.get("decode_flashinfer", []):
         if "error" in r:
-            out.append(f"| {r['batch']} | {r['ctx']} | error: {r['error'][:80]} | | | | | |")
             continue
-        tot = r["bytes"]["total"]
-        roof = tot / bw
+        r["step_ms"] = r["step_s"] * 1e3
+        r["roofline_ms"] = r["bytes"]["total"] / bw * 1e3
+        r["roofline_fraction"] = r["roofline_ms"] / r["step_ms"]
+    for r in res.get("prefill", []):
+        if "error" not in r:
+            r["peak_fraction"] = r["tflops"] * 1e12 / peak
+    hf = res.get("hf")
+    if hf and "step_s" in hf:
+        hf["tok_s"] = 1 / hf["step_s"]
+    if "config" not in res:
+        sys.path.insert(0, str(HERE))
+        from bench import bench_config_dict
+        res["config"] = bench_config_dict()["text_config"]
+    return res
+
+
+def decode_table(rows: list[dict]) -> list[str]:
+    out = ["| batch | ctx | step ms (graph) | step ms (eager) | tok/s | experts / MoE layer | GB/step | roofline ms "
+           "| % of roofline |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r.get('batch')} | {r.get('ctx')} | error: {r['error'][:80]} | | | | | | |")
+            continue
         touched = sum(r["experts_touched"]) / max(len(r["experts_touched"]), 1)
-        out.append(f"| {r['batch']} | {r['ctx']} | {r['step_s'] * 1e3:.1f} | {r['tok_s']:.1f} | {touched:.0f} | "
-                   f"{tot / 1e9:.2f} | {roof * 1e3:.2f} | {100 * roof / r['step_s']:.1f}% |")
+        out.append(f"| {r['batch']} | {r['ctx']} | {r['step_ms']:.2f} | {r['eager_step_s'] * 1e3:.1f} | "
+                   f"{r['tok_s']:.0f} | {touched:.0f} | {r['bytes']['total'] / 1e9:.2f} | {r['roofline_ms']:.2f} | "
+                   f"{100 * r['roofline_fraction']:.1f}% |")
     return out
 
 
 def prefill_table(res: dict) -> list[str]:
-    peak = res["ceilings"]["matmul_bf16_flops"]
-    out = ["| tokens | chunk | time s | tok/s | model TFLOP | TFLOP/s | % of matmul peak |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["| tokens | chunk | time s | tok/s | model TFLOP | TFLOP/s | % of matmul peak |",
+           "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["prefill"]:
         if "error" in r:
             out.append(f"| {r['tokens']} | error: {r['error'][:80]} | | | | | |")
             continue
         out.append(f"| {r['tokens']} | {r['chunk']} | {r['time_s']:.3f} | {r['tok_s']:.0f} | {r['flops'] / 1e12:.1f} | "
-                   f"{r['tflops']:.1f} | {100 * r['tflops'] * 1e12 / peak:.1f}% |")
+                   f"{r['tflops']:.1f} | {100 * r['peak_fraction']:.1f}% |")
     return out
 
 
-def render(res: dict, path: Path, extra: str = "") -> None:
+def backend_table(rows: list[dict]) -> list[str]:
+    out = ["| decode attention | batch | ctx | step ms (graph) | tok/s | step ms (eager) |", "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r.get('decode_attn')} | error: {r['error'][:80]} | | | | |")
+            continue
+        out.append(f"| {r['decode_attn']} | {r['batch']} | {r['ctx']} | {r['step_ms']:.2f} | {r['tok_s']:.0f} | "
+                   f"{r['eager_step_s'] * 1e3:.1f} |")
+    return out
+
+
+def render(res: dict, path: Path) -> None:
     c = res["ceilings"]
+    b = res.get("backends", {})
     lines = [
         "# Benchmark results (H200)", "",
-        f"Run {res['date']} on {res['gpu']} (torch {res['torch']}); backends: KDA `{res['kda_backend']}`, "
-        f"MLA prefill attention `{res['attn_backend']}`.", "",
-        f"Command: `{res['command']}` (through the device tool; see `bench/bench.py` docstring for the config).", "",
+        f"Run {res['date']} on {res['gpu']} (torch {res['torch']}); backends: "
+        + ", ".join(f"{k} `{v}`" for k, v in b.items()) + ".", "",
+        f"Command: `{res['command']}` (through the device tool; bench config in the `bench/bench.py` docstring: "
+        "model-spec §1.1 per-layer shapes, 8 layers = 6 KDA + 2 MLA, 3 dense + 5 MoE, dummy bf16 weights).", "",
         f"Ceilings measured in the same run: device copy **{c['copy_bw_Bps'] / 1e12:.2f} TB/s** (bytes read + "
         f"written), bf16 8192³ matmul **{c['matmul_bf16_flops'] / 1e12:.0f} TFLOP/s**.", "",
         "## Decode (one step = one token per request; caches filled with random context)", "",
-        *decode_table(res), "",
+        "The engine's step is the CUDA-graph replay (`graph`); `eager` is the same batched path launched op by op.", "",
+        *decode_table(res["decode"]), "",
         "Roofline = bytes the step must move (non-routed weights incl. LM head, the routed experts this "
         "step's routing touched, fp32 KDA state read+write, selected latent rows, pooled index keys "
-        "scanned) / measured copy bandwidth.", "",
+        "scanned) / measured copy bandwidth. Plot: `bench/decode.png` (engine vs roofline tok/s).", "",
         "## Prefill (one request, chunked by 4096 tokens)", "",
         *prefill_table(res), "",
     ]
-    if extra:
-        lines += [extra, ""]
+    if res.get("decode_flashinfer"):
+        src = res.get("decode_flashinfer_run", "this run")
+        lines += ["## Decode attention backends end to end (CUDA graphs)", "",
+                  f"Same weights, cache and staged inputs, one process ({src}).", "",
+                  *backend_table(res["decode_flashinfer"]), ""]
+    hf = res.get("hf")
+    if hf and "step_s" in hf:
+        lines += ["## transformers' glm5_next, same config, batch 1, context 1024", "",
+                  f"{res.get('hf_run', 'this run')}: transformers decode step **{hf['step_s'] * 1e3:.1f} ms** "
+                  f"({hf['tok_s']:.1f} tok/s); its 1K prefill took {hf['prefill_s']:.0f} s (first-call kernel "
+                  "compilation included).", ""]
+    notes = HERE / "RESULTS_NOTES.md"
+    if notes.exists():
+        lines += [notes.read_text().rstrip(), ""]
     path.write_text("\n".join(lines))
 
 
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("results", type=Path)
+    ap.add_argument("--hf", type=Path, help="take transformers' row from this results.json")
+    ap.add_argument("--flashinfer", type=Path, help="take the per-backend decode rows from this results.json")
+    ap.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
+    args = ap.parse_args()
+    res = json.loads(args.results.read_text())
+    for flag, key, label in ((args.hf, "hf", "hf_run"), (args.flashinfer, "decode_flashinfer", "decode_flashinfer_run")):
+        if flag:
+            other = json.loads(flag.read_text())
+            res[key] = other[key]
+            res[label] = f"run {other['date']} (`{other['command']}`)"
+    res = finalize(res)
+    render(res, args.out)
+    args.results.write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
 if __name__ == "__main__":
-    render(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
+    sys.exit(main())

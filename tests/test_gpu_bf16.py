@@ -52,7 +52,7 @@ def prompts(trained_checkpoint: Path) -> list[list[int]]:
 
 def test_gpu_bf16_engine_agrees_with_cpu_fp32(trained_checkpoint, prompts):
     rep = json.loads((trained_checkpoint / train_tiny.REPORT_FILE).read_text())
-    print(f"trained on cuda in {rep['seconds']} s: margin {rep['margin_before']:.3f} -> {rep['margin_after']:.3f}, "
+    print(f"trained on {rep.get('device', '?')} in {rep['seconds']} s: margin {rep['margin_before']:.3f} -> {rep['margin_after']:.3f}, "
           f"accuracy {rep['accuracy_after']:.3f}")
     want = train_tiny.greedy_tokens(trained_checkpoint, prompts, "float32", device="cpu")
     got = train_tiny.greedy_tokens(trained_checkpoint, prompts, "bfloat16", device="cuda")
