@@ -76,6 +76,19 @@ def backend_table(rows: list[dict]) -> list[str]:
     return out
 
 
+def mla_kernel_table(k: dict) -> list[str]:
+    out = [f"Run on {k['device']} (`bench/flashinfer_bench.py`, FlashInfer {k['flashinfer']} `{k['flashinfer_backend']}`): "
+           f"64 heads x 512 latent, 2051 selected rows per query from a {k['rows'][0]['cache_rows'] // 2**20}M-row "
+           "bf16 cache; µs per call in CUDA-graph replay; relative error vs the fp32 torch reference.", "",
+           "| queries | Triton µs | GB/s | FlashInfer µs | GB/s | FlashInfer plan µs (host) | rel err Triton / FlashInfer |",
+           "|---:|---:|---:|---:|---:|---:|---|"]
+    for r in k["rows"]:
+        e = r["rel_err_vs_ref"]
+        out.append(f"| {r['n']} | {r['triton_graph_us']:.1f} | {r['triton_GBps']:.0f} | {r['flashinfer_graph_us']:.1f} | "
+                   f"{r['flashinfer_GBps']:.0f} | {r['flashinfer_plan_us']:.0f} | {e['triton']:.1e} / {e['flashinfer']:.1e} |")
+    return out
+
+
 def render(res: dict, path: Path) -> None:
     c = res["ceilings"]
     b = res.get("backends", {})
@@ -101,6 +114,9 @@ def render(res: dict, path: Path) -> None:
         lines += ["## Decode attention backends end to end (CUDA graphs)", "",
                   f"Same weights, cache and staged inputs, one process ({src}).", "",
                   *backend_table(res["decode_flashinfer"]), ""]
+    if res.get("mla_kernels"):
+        lines += ["## Sparse NoPE MLA decode kernel: Triton vs FlashInfer (same inputs)", "",
+                  *mla_kernel_table(res["mla_kernels"]), ""]
     hf = res.get("hf")
     if hf and "step_s" in hf:
         lines += ["## transformers' glm5_next, same config, batch 1, context 1024", "",
@@ -118,6 +134,7 @@ def main() -> int:
     ap.add_argument("results", type=Path)
     ap.add_argument("--hf", type=Path, help="take transformers' row from this results.json")
     ap.add_argument("--flashinfer", type=Path, help="take the per-backend decode rows from this results.json")
+    ap.add_argument("--mla-kernels", type=Path, help="bench/flashinfer_bench.py output to include")
     ap.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
     args = ap.parse_args()
     res = json.loads(args.results.read_text())
@@ -126,6 +143,8 @@ def main() -> int:
             other = json.loads(flag.read_text())
             res[key] = other[key]
             res[label] = f"run {other['date']} (`{other['command']}`)"
+    if args.mla_kernels:
+        res["mla_kernels"] = json.loads(args.mla_kernels.read_text())
     res = finalize(res)
     render(res, args.out)
     args.results.write_text(json.dumps(res, indent=1, default=str))
