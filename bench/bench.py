@@ -293,7 +293,9 @@ def run_prefill(s: Setup, lengths, chunk: int, log) -> list[dict]:
     return rows
 
 
-def run_hf(ctx: int, steps: int, log) -> dict:
+def run_hf(ctx: int, steps: int, log, batches=(1,)) -> dict:
+    """transformers' glm5_next decode on the bench config: batch 1, then each larger batch in ``batches`` until
+    one fails (OOM): the issue asks for batch 1 and the largest batch it survives."""
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
     cfg = Glm5NextConfig(**bench_config_dict())
     cfg.text_config._attn_implementation = "eager"
@@ -303,25 +305,39 @@ def run_hf(ctx: int, steps: int, log) -> dict:
             hf = Glm5NextForConditionalGeneration(cfg).eval()
     finally:
         torch.set_default_dtype(torch.float32)
-    ids = torch.randint(0, 150000, (1, ctx), device="cuda")
-    with torch.no_grad():
-        t0 = time.perf_counter()
-        out = hf(input_ids=ids, use_cache=True)
-        torch.cuda.synchronize()
-        prefill = time.perf_counter() - t0
-        cache = out.past_key_values
-        nxt = out.logits[:, -1:].argmax(-1)
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            out = hf(input_ids=nxt, past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            nxt = out.logits[:, -1:].argmax(-1)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-    row = {"ctx": ctx, "prefill_s": prefill, "steps": times, "step_s": median(times[1:] or times)}
-    log(row)
-    return row
+    rows = []
+    for b in batches:
+        try:
+            ids = torch.randint(0, 150000, (b, ctx), device="cuda")
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                out = hf(input_ids=ids, use_cache=True)
+                torch.cuda.synchronize()
+                prefill = time.perf_counter() - t0
+                cache = out.past_key_values
+                nxt = out.logits[:, -1:].argmax(-1)
+                times = []
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    out = hf(input_ids=nxt, past_key_values=cache, use_cache=True)
+                    cache = out.past_key_values
+                    nxt = out.logits[:, -1:].argmax(-1)
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+            row = {"batch": b, "ctx": ctx, "prefill_s": prefill, "steps": times, "step_s": median(times[1:] or times)}
+            row["tok_s"] = b / row["step_s"]
+        except Exception as e:  # the largest batch it survives is the last row without an error
+            row = {"batch": b, "ctx": ctx, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            cache = out = None
+            gc.collect()
+            torch.cuda.empty_cache()
+        log(row)
+        rows.append(row)
+        if "error" in row:
+            break
+    first = dict(rows[0])
+    first["batches"] = rows
+    return first
 
 
 def plot(res: dict, path: Path) -> str | None:
@@ -354,6 +370,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--render", type=Path, help="results.json -> bench/RESULTS.md")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--hf-batches", type=int, nargs="+", default=[1, 8, 64],
+                    help="transformers decode batches, tried in order until one fails")
     ap.add_argument("--decode-attn", choices=("triton", "flashinfer", "torch"), help="override the auto choice")
     ap.add_argument("--flashinfer", action="store_true", help="also time decode with decode_attn_backend=flashinfer")
     ap.add_argument("--hf-only", action="store_true", help="engine b1 ctx 1K, then transformers, same run")
@@ -420,7 +438,7 @@ def main() -> int:
     torch.cuda.empty_cache()
     if not args.skip_hf:
         try:
-            res["hf"] = run_hf(1024, 6, log)
+            res["hf"] = run_hf(1024, 6, log, batches=args.hf_batches)
         except Exception as e:
             res["hf"] = {"error": f"{type(e).__name__}: {str(e)[:500]}", "trace": traceback.format_exc()[-1500:]}
             log(res["hf"])

@@ -123,6 +123,11 @@ def render(res: dict, path: Path) -> None:
                   f"{res.get('hf_run', 'this run')}: transformers decode step **{hf['step_s'] * 1e3:.1f} ms** "
                   f"({hf['tok_s']:.1f} tok/s); its 1K prefill took {hf['prefill_s']:.0f} s (first-call kernel "
                   "compilation included).", ""]
+        for r in hf.get("batches", [])[1:]:
+            lines += [f"- batch {r['batch']}: " + (f"error {r['error'][:120]}" if "error" in r else
+                                                    f"step {r['step_s'] * 1e3:.1f} ms, {r['tok_s']:.0f} tok/s")]
+        if hf.get("batches"):
+            lines += [""]
     notes = HERE / "RESULTS_NOTES.md"
     if notes.exists():
         lines += [notes.read_text().rstrip(), ""]
