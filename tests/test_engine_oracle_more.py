@@ -435,3 +435,14 @@ def test_cli_generate_on_save_pretrained_checkpoint(tmp_path):
     assert out["token_ids"] == hf_greedy(hf, prompt, n)
     assert out["finish_reason"] == "length"
     assert out["text"] == "", "a checkpoint without tokenizer produces token ids only"
+
+
+def test_one_token_chunks_of_a_media_prompt_on_the_batched_decode_path(default_pair, mm_case):
+    """A media prompt scheduled one token per step (budget 1) looks like a decode step to the batched path;
+    its placeholders must still get their vision embeddings (the batched path defers to prepare())."""
+    ckpt, _ = default_pair
+    _, reqs, refs, _ = mm_case
+    eng = engine(ckpt, max_num_batched_tokens=1, decode_path="batched")
+    got = engine_greedy(eng, [reqs[0][0]], 16)
+    assert got[0] == refs[0]
+    assert eng.runner.vision_calls == 1

@@ -39,3 +39,20 @@ def test_override_beats_env_and_bad_names_are_rejected(monkeypatch):
     monkeypatch.setenv("GLM5_ATTN_BACKEND", "flash")
     with pytest.raises(ValueError, match="GLM5_ATTN_BACKEND"):
         backends.attn_backend(torch.device("cpu"))
+
+
+def test_triton_kernel_backends_follow_dtype():
+    """The index / MoE / mHC kernels take bf16 and fp32: auto keeps fp16 on the torch path (no CUDA call is
+    made for a device that only has to be named), an explicit triton choice fails fast naming the dtype."""
+    from glm5.model import backends
+    cuda = torch.device("cuda")
+    try:
+        for fn in (backends.index_backend, backends.moe_backend, backends.mhc_backend):
+            assert fn(cuda, torch.bfloat16) == "triton"
+            assert fn(cuda, torch.float32) == "triton"
+            assert fn(cuda, torch.float16) == "torch"
+        backends.set_backends(index="triton")
+        with pytest.raises(backends.BackendUnavailable, match="float16"):
+            backends.index_backend(cuda, torch.float16)
+    finally:
+        backends.reset_backends()

@@ -286,9 +286,10 @@ class Sampler:
             apply_min_tokens(x, params, [len(o) for o in output_token_ids], eos_token_ids)
         return x
 
-    def _temper_and_filter(self, x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-        """Step 4 in place on the sampled rows of ``x``: temperature, top-k, top-p, min-p."""
-        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+    def _temper_and_filter(self, x: torch.Tensor, params: Sequence[SamplingParams],
+                           skip: set[int] | None = None) -> torch.Tensor:
+        """Step 4 in place on the sampled rows of ``x`` (except ``skip``): temperature, top-k, top-p, min-p."""
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy and not (skip and i in skip)]
         if not sampled:
             return x
         device = x.device
@@ -356,7 +357,9 @@ class Sampler:
                              eos_token_ids=eos_token_ids)
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         fused = self._flashinfer_rows(sampled, generators, logits.device)
-        x = self._temper_and_filter(pen.clone() if fused else pen, params)
+        # FlashInfer filters its rows itself; torch still does it for those that want processed logprobs
+        skip = {i for i in fused if params[i].logprobs is None or self.logprobs_mode == "raw"}
+        x = self._temper_and_filter(pen.clone() if fused else pen, params, skip)
         out = torch.argmax(x, dim=1)  # greedy rows keep this; sampled rows are overwritten below
         if fused:
             # unseeded sampled rows: FlashInfer's fused top-k/top-p/min-p sampling from the penalised logits

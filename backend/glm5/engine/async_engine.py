@@ -15,6 +15,8 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 
+import torch
+
 from glm5.engine.args import EngineArgs
 from glm5.engine.llm_engine import LLMEngine
 from glm5.engine.outputs import EngineStats, PromptInput, RequestOutput
@@ -169,6 +171,9 @@ class AsyncLLMEngine:
             self.engine.abort(cmd[1])
 
     def _loop(self) -> None:
+        device = getattr(self.engine, "device", None)
+        if isinstance(device, torch.device) and device.type == "cuda":
+            torch.cuda.set_device(device)  # the current device is per thread
         try:
             while not self._stop.is_set():
                 while True:

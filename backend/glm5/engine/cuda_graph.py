@@ -12,8 +12,10 @@ once per batch-size bucket and replayed: one launch per step.
 * :class:`DecodeGraphRunner` captures the model's forward over those static buffers for every
   bucket (largest first, one shared memory pool) and replays the smallest bucket that fits.
 
-The graph's outputs are static tensors overwritten by the next replay: callers consume (or clone)
-them within the step, as the engine does (sampling, then the MTP proposal).
+The graph's outputs are static tensors overwritten by the next replay of any bucket (the buckets share
+one memory pool): callers consume (or clone) them within the step, as the engine does (sampling, then
+the MTP proposal). Padding rows are routed through the MoE like real rows, so a step padded to its
+bucket may stream a few more experts than its real rows need.
 """
 
 from __future__ import annotations
@@ -93,11 +95,16 @@ class DecodeStager:
         h[1, n:padded] = 0
         h[2, n:padded] = self.cache.scratch_slot
         h[3, n:padded] = self._pad_slot
-        self.dev_i64[:, :padded].copy_(self.host_i64[:, :padded], non_blocking=True)
+        # the whole [4, max_batch] block: a column slice is not contiguous and would go through a pageable copy
+        self.dev_i64.copy_(self.host_i64, non_blocking=True)
         self.dev_bt[:padded].copy_(self.host_bt[:padded], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
         return self.view(padded, positions_host=list(rows.positions) + [0] * (padded - n))
+
+    def mark_consumed(self) -> None:
+        """Record that this step's host-side work (staging copies, a FlashInfer plan's copies) is enqueued:
+        the next :meth:`stage` waits for it before rewriting pinned memory."""
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.device))
 
     def view(self, b: int, positions_host: list[int] | None = None) -> ForwardBatch:
         """The first ``b`` rows of the static buffers as a decode batch (logits for every row)."""
@@ -152,24 +159,25 @@ class DecodeGraphRunner:
 
     def capture(self) -> None:
         t0 = time.perf_counter()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
+        stream = torch.cuda.Stream(device=self.stager.device)
+        stream.wait_stream(torch.cuda.current_stream(self.stager.device))
         with torch.cuda.stream(stream):
             for b in reversed(self.buckets):  # largest first: later graphs reuse its memory pool
                 self.stager.fill_padding(b)
                 batch = self.stager.view(b, positions_host=[0] * b)
                 self.prepare(batch)
+                self.stager.mark_consumed()
                 for _ in range(2):  # compile / autotune every kernel outside capture
                     self.model.forward(batch, self.cache)
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(self.stager.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     out = self.model.forward(batch, self.cache)
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[b] = (graph, out)
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        torch.cuda.current_stream(self.stager.device).wait_stream(stream)
+        torch.cuda.synchronize(self.stager.device)
         logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.buckets,
                     time.perf_counter() - t0)
 
@@ -187,6 +195,7 @@ class DecodeGraphRunner:
             raise ValueError(f"no captured decode graph for {n} rows (buckets {self.buckets})")
         batch = self.stager.stage(rows, b)
         self.prepare(batch)
+        self.stager.mark_consumed()
         graph, out = self.graphs[b]
         graph.replay()
         return batch, ModelOutput(logits=out.logits[:n], hidden=out.hidden[:n])

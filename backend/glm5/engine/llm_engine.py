@@ -58,6 +58,10 @@ class LLMEngine:
 
         self.args = args
         self.device, self.dtype = args.torch_device, args.torch_dtype
+        if self.device.type == "cuda":
+            # streams, events and Triton launches follow the current device: make it the engine's (cuda:N
+            # when Triton places the instance on another GPU)
+            torch.cuda.set_device(self.device)
         self.model_config = ModelConfig.from_pretrained(args.model)
         text = self.model_config.text
         check_block_size(args.block_size, text.index_kpool)
@@ -101,9 +105,10 @@ class LLMEngine:
     def _log_backends(self) -> None:
         from glm5.model import backends as b
         dev = self.device
-        logger.info("backends on %s %s: kda=%s prefill_attn=%s decode_attn=%s index=%s moe=%s sampling=%s "
+        logger.info("backends on %s %s: kda=%s prefill_attn=%s decode_attn=%s index=%s moe=%s mhc=%s sampling=%s "
                     "decode_path=%s", dev, self.dtype, b.kda_backend(dev, self.dtype), b.attn_backend(dev),
-                    b.decode_attn_backend(dev, self.dtype, self.model_config.text.kv_lora_rank), b.index_backend(dev), b.moe_backend(dev),
+                    b.decode_attn_backend(dev, self.dtype, self.model_config.text.kv_lora_rank),
+                    b.index_backend(dev, self.dtype), b.moe_backend(dev, self.dtype), b.mhc_backend(dev, self.dtype),
                     b.sampling_backend(dev), "batched" if self.runner.batched_decode else "per_request")
 
     @staticmethod

@@ -220,16 +220,16 @@ class ModelRunner:
     # ------------------------------------------------------------------ batched decode / CUDA graphs
     def capture_cuda_graphs(self, max_batch: int | None = None) -> str | None:
         """Capture decode graphs; returns ``None`` on success or the reason graphs stay off."""
-        from glm5.model.backends import decode_attn_backend, index_backend, moe_backend
+        from glm5.model.backends import index_backend, moe_backend
         reason = None
         if self.device.type != "cuda":
             reason = "not on a CUDA device"
         elif not self.batched_decode:
             reason = "decode_path is per_request"
-        elif moe_backend(self.device) != "triton" and any(
+        elif moe_backend(self.device, self.dtype) != "triton" and any(
                 k == "moe" for k in self.cfg.text.mlp_kinds):
             reason = "the torch MoE (per-expert loop) syncs with the host; use moe_backend=triton"
-        elif index_backend(self.device) != "triton":
+        elif index_backend(self.device, self.dtype) != "triton":
             reason = "index_backend is torch"
         if reason is not None:
             logger.info("decode CUDA graphs off: %s", reason)
@@ -248,8 +248,8 @@ class ModelRunner:
             lo = s.num_computed_tokens
             if c.num_tokens != 1 or c.num_drafts:
                 return None
-            if s.mm is not None and s.mm.positions is not None and bool((s.mm.positions == lo).any()):
-                return None
+            if s.mm is not None and (s.mm.positions is None or bool((s.mm.positions == lo).any())):
+                return None  # not encoded yet (prepare() encodes) or the row is a placeholder
             rows.tokens.append(s.tokens(lo, lo + 1)[0])
             rows.positions.append(lo)
             rows.state_slots.append(s.state_slot)
@@ -264,8 +264,10 @@ class ModelRunner:
         else:
             batch = self.stager.stage(rows, n)
             self._prepare_decode(batch)
+            self.stager.mark_consumed()
             out = self.model.forward(batch, self.cache)
         meta = batch.decode
+        # block_table here: the request's row of the padded int32 decode buffer (valid for this step only)
         batch.seqs = [SeqChunk(start=i, num_tokens=1, context_len=p, block_table=meta.block_tables[i],
                                state_slot=slot) for i, (p, slot) in enumerate(zip(rows.positions, rows.state_slots))]
         sample_idx = [(ci, ci, 1) for ci, c in enumerate(sched.chunks) if c.samples]

@@ -1,15 +1,19 @@
 """Which implementation runs each hot block: capability-gated auto choice, explicit override, fail-fast.
 
-Two kinds of choice exist today:
+The choices (each set by ``GLM5_<NAME>_BACKEND`` or :func:`set_backends`):
 
 * ``kda``: ``torch`` (the reference recurrence / chunked WY form in :mod:`glm5.model.kda`, runs
   anywhere) or ``fla`` (fla-core's Triton ``chunk_kda`` / ``fused_recurrent_kda``, CUDA only).
 * ``attn``: ``torch`` (explicit einsum attention, the CPU reference) or ``sdpa`` (PyTorch's fused
   scaled-dot-product attention with a boolean selection mask, used for prefill on CUDA).
+* ``decode_attn``: the sparse NoPE MLA decode of the batched decode path — ``triton``, ``flashinfer``
+  or ``torch``.
+* ``index``, ``moe``, ``mhc``: our Triton kernels (``glm5_kernels``) or their torch references.
+* ``sampling``: ``torch`` or FlashInfer's fused sampling for unseeded rows.
 
-The setting comes from the ``GLM5_KDA_BACKEND`` / ``GLM5_ATTN_BACKEND`` environment variables or
-from :func:`set_backends` (an engine setting can call it); ``auto`` picks the fast path when the
-tensors live on a CUDA device and the library imports, else the torch path. An explicit choice
+``auto`` picks the fast path when the tensors live on a CUDA device, the library imports and the
+dtype/shape is one the kernels take, else the torch path (FlashInfer is never auto: see
+:func:`decode_attn_backend`). An explicit choice
 that cannot run raises :class:`BackendUnavailable` naming the reason — never a silent fallback,
 because a silently slower (or differently rounded) path makes benchmark and oracle results lie.
 One documented exception inside the fla path: speculative-verification chunks that must record
@@ -162,7 +166,8 @@ def _sm90_or_newer(device: torch.device) -> bool:
 
 
 def decode_attn_backend(device: torch.device, dtype: torch.dtype | None = None, latent_width: int | None = None) -> str:
-    """``"triton"``, ``"flashinfer"`` or ``"torch"`` for the sparse NoPE MLA decode (and verification rows).
+    """``"triton"``, ``"flashinfer"`` or ``"torch"`` for the sparse NoPE MLA decode of the batched decode path
+    (speculative-verification rows take the per-request path).
 
     ``auto`` on CUDA is the Triton kernel (fp32 included, IEEE products), the torch reference on CPU.
     FlashInfer's FA3 MLA runs when asked and it can (imports, SM90+, bf16/fp16, a latent width FA3 takes,
@@ -185,31 +190,37 @@ def decode_attn_backend(device: torch.device, dtype: torch.dtype | None = None, 
     return "triton" if err is None else "torch"
 
 
-def _triton_or_torch(name: str, choices: tuple[str, ...], device: torch.device) -> str:
+TRITON_DTYPES = (torch.bfloat16, torch.float32)  # what the index / MoE / mHC kernels are written and tested for
+
+
+def _triton_or_torch(name: str, choices: tuple[str, ...], device: torch.device,
+                     dtype: torch.dtype | None = None) -> str:
     want = _requested(name, choices)
     if want == "torch":
         return "torch"
     err = triton_import_error() if device.type == "cuda" else "tensors are not on a CUDA device"
+    if err is None and dtype is not None and dtype not in TRITON_DTYPES:
+        err = f"dtype {dtype} (the Triton kernels take bf16 or fp32)"
     if want == "triton" and err is not None:
         raise BackendUnavailable(f"{name}_backend='triton' cannot run: {err}. Run on CUDA, or set "
                                  f"GLM5_{name.upper()}_BACKEND=torch")
     return "triton" if err is None else "torch"
 
 
-def moe_backend(device: torch.device) -> str:
+def moe_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
     """``"triton"`` (fused grouped-GEMM MoE, no host sync) or ``"torch"`` (per-expert loop, the reference)."""
-    return _triton_or_torch("moe", MOE_CHOICES, device)
+    return _triton_or_torch("moe", MOE_CHOICES, device, dtype)
 
 
-def mhc_backend(device: torch.device) -> str:
+def mhc_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
     """``"triton"`` (fused mHC pre + block RMSNorm and post: 3 launches per site instead of ~150) or ``"torch"``."""
-    return _triton_or_torch("mhc", MHC_CHOICES, device)
+    return _triton_or_torch("mhc", MHC_CHOICES, device, dtype)
 
 
-def index_backend(device: torch.device) -> str:
+def index_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
     """``"triton"`` (kpool append/compress and index-score kernels) or ``"torch"`` (their references) for the
-    batched decode path's indexer."""
-    return _triton_or_torch("index", INDEX_CHOICES, device)
+    indexer (batched decode and prefill scoring / pool completion)."""
+    return _triton_or_torch("index", INDEX_CHOICES, device, dtype)
 
 
 def sampling_backend(device: torch.device) -> str:

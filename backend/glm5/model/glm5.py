@@ -36,7 +36,7 @@ class DecoderLayer:
         self.eps = t.rms_norm_eps
 
     def __call__(self, streams: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
-        if mhc_backend(streams.device) == "triton":
+        if mhc_backend(streams.device, streams.dtype) == "triton":
             return self._fused(streams, batch, cache)
         x, mix = self.attn_hc.pre(streams)
         streams = HyperConnection.post(self.attn(rms_norm(x, self.in_norm, self.eps), batch, cache), streams, mix)

@@ -87,7 +87,7 @@ class KPoolIndexer:
         first_pool, end_pool = seq.context_len // kp, seq.total_len // kp
         span = torch.cat([tail[: seq.context_len % kp], raw], dim=0)  # starts at position first_pool*kp
         n_complete = end_pool - first_pool
-        if n_complete > 0 and index_backend(raw.device) == "triton":
+        if n_complete > 0 and index_backend(raw.device, raw.dtype) == "triton":
             from glm5_kernels.kpool import kpool_compress_write
             slots = cache.pool_slots(seq.block_table, torch.arange(first_pool, end_pool, device=raw.device))
             kpool_compress_write(span[: n_complete * kp].view(n_complete, kp, -1).contiguous(), self.ape, slots,
@@ -150,7 +150,7 @@ class KPoolIndexer:
         q = F.linear(q_resid, self.wq_b).view(-1, self.n_heads, self.head_dim)
         w = F.linear(x.to(self.w_heads.dtype), self.w_heads).float() * self.n_heads ** -0.5
         scales = cache.pool_scales[layer] if cache.index_fp8 else None
-        if index_backend(device) == "triton":
+        if index_backend(device, cache.dtype) == "triton":
             # the kernel reads the pooled keys in place: no [n, heads, pools] fp32 intermediate
             from glm5_kernels.indexer import indexer_scores
             rows = torch.zeros(q.shape[0], dtype=torch.int32, device=device)
@@ -172,7 +172,7 @@ class KPoolIndexer:
         visible pools and returns the latent rows each query attends to, ``[N, index_topk + kpool - 1]``
         int32 with the valid entries first and ``-1`` after. Dense rows (few enough complete pools) select
         every pool, so they get all their tokens, as :meth:`visible` does. ``raw`` is :meth:`keys` of ``x``."""
-        if index_backend(x.device) == "triton":
+        if index_backend(x.device, x.dtype) == "triton":
             from glm5_kernels.indexer import indexer_scores, select_token_slots
             from glm5_kernels.kpool import kpool_decode_append
         else:

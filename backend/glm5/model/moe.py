@@ -61,7 +61,7 @@ class MoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         routing = route(x, self.gate_w, self.bias, self.cfg)
         shared = swiglu_mlp(x, *self.shared, self.cfg.swiglu_limit)
-        if moe_backend(x.device) == "triton":
+        if moe_backend(x.device, x.dtype) == "triton":
             from glm5_kernels.fused_moe import fused_moe
             return fused_moe(x, self.w_gate, self.w_up, self.w_down, routing.weights, routing.experts,
                              self.cfg.swiglu_limit) + shared
