@@ -172,7 +172,7 @@ class AsyncLLMEngine:
 
     def _loop(self) -> None:
         device = getattr(self.engine, "device", None)
-        if isinstance(device, torch.device) and device.type == "cuda":
+        if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # the current device is per thread
         try:
             while not self._stop.is_set():

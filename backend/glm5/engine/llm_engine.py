@@ -58,9 +58,9 @@ class LLMEngine:
 
         self.args = args
         self.device, self.dtype = args.torch_device, args.torch_dtype
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.device.index is not None:
             # streams, events and Triton launches follow the current device: make it the engine's (cuda:N
-            # when Triton places the instance on another GPU)
+            # when Triton places the instance on another GPU; a bare "cuda" already means the current one)
             torch.cuda.set_device(self.device)
         self.model_config = ModelConfig.from_pretrained(args.model)
         text = self.model_config.text
