@@ -174,6 +174,7 @@ def run_decode(s: "Setup", batches, ctxs, reps: int, log, graphs: bool = True) -
     def staged(rows, b):
         batch = stager.stage(rows, b)
         planner(batch)
+        stager.mark_consumed()
         return batch
     runner = None
     if graphs:
@@ -247,6 +248,7 @@ def profile_decode(s: "Setup", b: int, ctx: int, out: Path) -> dict:
     def staged():
         batch = stager.stage(rows, b)
         planner(batch)
+        stager.mark_consumed()
         return batch
     s.recording = False
     s.model.forward(staged(), s.cache)
