@@ -106,6 +106,9 @@ class _RequestState:
     engine_id: str = ""
     cancelled: bool = False        # the client cancelled (gRPC stop_stream / disconnect)
     done: bool = False             # final response queued
+    closed: bool = False           # final response sent: the sender's response factory is released; under
+                                   # _send_lock, nothing may call sender.is_cancelled() after this (2.51
+                                   # dereferences the freed factory: SIGSEGV in ResponseFactoryIsCancelled)
     arrival: float = field(default_factory=time.monotonic)
 
 
@@ -577,6 +580,8 @@ class TritonPythonModel:
             state, response, flags = item
             try:
                 with self._send_lock:
+                    if flags & _FINAL:
+                        state.closed = True
                     state.sender.send(response, flags=flags)
                     if not flags & _FINAL and not state.cancelled and state.sender.is_cancelled():
                         self._mark_cancelled(state)
@@ -597,7 +602,8 @@ class TritonPythonModel:
             for s in states:
                 try:
                     with self._send_lock:
-                        cancelled = s.sender.is_cancelled()
+                        # the snapshot above can be stale: the final response may have gone out since
+                        cancelled = not s.closed and s.sender.is_cancelled()
                 except Exception:  # noqa: BLE001
                     cancelled = False
                 if cancelled:
