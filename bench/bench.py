@@ -295,6 +295,36 @@ def run_prefill(s: Setup, lengths, chunk: int, log) -> list[dict]:
     return rows
 
 
+def profile_prefill(s: Setup, n: int, chunk: int, out: Path) -> dict:
+    """Kernel table of one whole ``n``-token prefill (after a warm-up), grouped by kernel and by the torch op
+    that launched it: where prefill time goes (issue 7 asks for profile evidence of what limits it)."""
+    from glm5.model.batch import ForwardBatch, SeqChunk
+    bt = torch.arange(0, s.blocks_per_req, device="cuda")
+    s.recording = False
+
+    def go():
+        s.cache.reset_slot(0)
+        for lo in range(0, n, chunk):
+            m = min(chunk, n - lo)
+            s.model.forward(ForwardBatch(input_ids=torch.randint(0, 150000, (m,), device="cuda"),
+                                         positions=torch.arange(lo, lo + m, device="cuda"),
+                                         seqs=[SeqChunk(0, m, lo, bt, 0)],
+                                         logits_indices=torch.tensor([m - 1], device="cuda")), s.cache)
+    go()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        go()
+        torch.cuda.synchronize()
+    s.recording = True
+    ka = prof.key_averages()
+    cuda_events = [e for e in ka if e.device_type.name == "CUDA"]
+    table = ka.table(sort_by="self_cuda_time_total", row_limit=40)
+    (out / f"profile_prefill_{n}.txt").write_text(table)
+    return {"tokens": n, "chunk": chunk, "cuda_kernels": sum(e.count for e in cuda_events),
+            "kernel_time_s": sum(e.self_device_time_total for e in cuda_events) / 1e6, "table": table}
+
+
 def run_hf(ctx: int, steps: int, log, batches=(1,)) -> dict:
     """transformers' glm5_next decode on the bench config: batch 1, then each larger batch in ``batches`` until
     one fails (OOM): the issue asks for batch 1 and the largest batch it survives."""
@@ -372,6 +402,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--render", type=Path, help="results.json -> bench/RESULTS.md")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--profile-prefill", action="store_true", help="also profile one 8K prefill (kernel table)")
     ap.add_argument("--hf-batches", type=int, nargs="+", default=[1, 8, 64],
                     help="transformers decode batches, tried in order until one fails")
     ap.add_argument("--decode-attn", choices=("triton", "flashinfer", "torch"), help="override the auto choice")
@@ -420,6 +451,12 @@ def main() -> int:
     res["weights_bytes"] = {"nonrouted": s.nonrouted_bytes, "per_expert": s.expert_bytes}
     log(res["weights_bytes"])
     res["prefill"] = run_prefill(s, [1024, 8192] if args.quick else [1024, 8192, 32768], 4096, log)
+    if args.profile_prefill:
+        try:
+            res["profile_prefill"] = profile_prefill(s, 8192, 4096, args.out)
+        except Exception as e:
+            res["profile_prefill"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        log({k: v for k, v in res["profile_prefill"].items() if k != "table"})
     (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
     res["decode"] = run_decode(s, batches, ctxs, reps=3, log=log)
     (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))

@@ -1,0 +1,10 @@
+# What issue 7 still needs from the H200 (one call, ~9 min): the GPU per-layer bf16 diagnostic, the two
+# FlashInfer engine tests, and a bench run with transformers (batch 1, 8, 64 until one fails) in the same
+# process as the engine numbers, plus a profile of one 8K prefill. Carry .whl, .fi and .gpuref
+# (.gpuref/trained from `python bench/train_tiny.py .gpuref/trained`).
+source bench/device/setup.sh
+source bench/device/flashinfer_setup.sh
+export GLM5_TRAINED_CKPT=$PWD/.gpuref/trained GLM5_DIAG_OUT=$OUT
+timeout 150 python3 -m pytest -m gpu -q -rA -s tests/test_gpu_bf16.py -k layer > "$OUT/gpu_bf16_diag.log" 2>&1; tail -4 "$OUT/gpu_bf16_diag.log"
+timeout 90 python3 -m pytest -m gpu -q -rA -s tests/test_flashinfer.py -k engine > "$OUT/gpu_flashinfer_engine.log" 2>&1; tail -4 "$OUT/gpu_flashinfer_engine.log"
+timeout 330 python3 bench/bench.py --out "$OUT/bench" --profile-prefill > "$OUT/bench_stdout.log" 2>&1; tail -20 "$OUT/bench_stdout.log" | cut -c1-250
