@@ -250,19 +250,25 @@ def profile_decode(s: "Setup", b: int, ctx: int, out: Path) -> dict:
         planner(batch)
         stager.mark_consumed()
         return batch
+    return {"batch": b, "ctx": ctx, **kernel_profile(s, lambda: s.model.forward(staged(), s.cache),
+                                                     out / f"profile_decode_b{b}_ctx{ctx}.txt")}
+
+
+def kernel_profile(s: "Setup", fn, path: Path, rows: int = 30) -> dict:
+    """Run ``fn`` once to warm up, once under the torch profiler; write the kernel table to ``path``."""
     s.recording = False
-    s.model.forward(staged(), s.cache)
+    fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
-        s.model.forward(staged(), s.cache)
+        fn()
         torch.cuda.synchronize()
     s.recording = True
     ka = prof.key_averages()
     cuda_events = [e for e in ka if e.device_type.name == "CUDA"]
-    table = ka.table(sort_by="self_cuda_time_total", row_limit=30)
-    (out / f"profile_decode_b{b}_ctx{ctx}.txt").write_text(table)
-    return {"batch": b, "ctx": ctx, "cuda_kernels": sum(e.count for e in cuda_events),
+    table = ka.table(sort_by="self_cuda_time_total", row_limit=rows)
+    path.write_text(table)
+    return {"cuda_kernels": sum(e.count for e in cuda_events),
             "kernel_time_s": sum(e.self_device_time_total for e in cuda_events) / 1e6, "table": table}
 
 
@@ -300,7 +306,6 @@ def profile_prefill(s: Setup, n: int, chunk: int, out: Path) -> dict:
     that launched it: where prefill time goes (issue 7 asks for profile evidence of what limits it)."""
     from glm5.model.batch import ForwardBatch, SeqChunk
     bt = torch.arange(0, s.blocks_per_req, device="cuda")
-    s.recording = False
 
     def go():
         s.cache.reset_slot(0)
@@ -310,19 +315,7 @@ def profile_prefill(s: Setup, n: int, chunk: int, out: Path) -> dict:
                                          positions=torch.arange(lo, lo + m, device="cuda"),
                                          seqs=[SeqChunk(0, m, lo, bt, 0)],
                                          logits_indices=torch.tensor([m - 1], device="cuda")), s.cache)
-    go()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        go()
-        torch.cuda.synchronize()
-    s.recording = True
-    ka = prof.key_averages()
-    cuda_events = [e for e in ka if e.device_type.name == "CUDA"]
-    table = ka.table(sort_by="self_cuda_time_total", row_limit=40)
-    (out / f"profile_prefill_{n}.txt").write_text(table)
-    return {"tokens": n, "chunk": chunk, "cuda_kernels": sum(e.count for e in cuda_events),
-            "kernel_time_s": sum(e.self_device_time_total for e in cuda_events) / 1e6, "table": table}
+    return {"tokens": n, "chunk": chunk, **kernel_profile(s, go, out / f"profile_prefill_{n}.txt", rows=40)}
 
 
 def run_hf(ctx: int, steps: int, log, batches=(1,)) -> dict:
