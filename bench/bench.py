@@ -172,10 +172,7 @@ def run_decode(s: "Setup", batches, ctxs, reps: int, log, graphs: bool = True) -
     planner = DecodeAttentionPlanner(s.cfg.text, max(batches), torch.bfloat16, torch.device("cuda"))
 
     def staged(rows, b):
-        batch = stager.stage(rows, b)
-        planner(batch)
-        stager.mark_consumed()
-        return batch
+        return stager.stage(rows, b, planner)
     runner = None
     if graphs:
         try:
@@ -246,10 +243,7 @@ def profile_decode(s: "Setup", b: int, ctx: int, out: Path) -> dict:
     rows = decode_rows(s, b, ctx)
 
     def staged():
-        batch = stager.stage(rows, b)
-        planner(batch)
-        stager.mark_consumed()
-        return batch
+        return stager.stage(rows, b, planner)
     return {"batch": b, "ctx": ctx, **kernel_profile(s, lambda: s.model.forward(staged(), s.cache),
                                                      out / f"profile_decode_b{b}_ctx{ctx}.txt")}
 

@@ -25,6 +25,7 @@ is written by a second launch after every pool is read, so no program reads a ta
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -34,7 +35,6 @@ from triton.language.extra import libdevice
 
 from glm5.model.fp8_index import E4M3_MAX, MIN_ABSMAX, encode_keys, hadamard_rotate
 
-_HADAMARD: dict[tuple[int, str], torch.Tensor] = {}
 _E4M3 = tl.constexpr(E4M3_MAX)
 _MIN_ABSMAX = tl.constexpr(MIN_ABSMAX)
 
@@ -44,12 +44,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.lru_cache(maxsize=16)
 def hadamard_matrix(d: int, device: torch.device) -> torch.Tensor:
-    """``[d, d]`` fp32 block-diagonal matrix of :func:`hadamard_rotate` (``x @ H`` rotates ``x``)."""
-    key = (d, str(device))
-    if key not in _HADAMARD:
-        _HADAMARD[key] = hadamard_rotate(torch.eye(d, dtype=torch.float32)).to(device).contiguous()
-    return _HADAMARD[key]
+    """``[d, d]`` fp32 block-diagonal matrix of :func:`hadamard_rotate` (``x @ H`` rotates ``x``), made once per
+    device (a host-to-device copy per call could not be graph-captured)."""
+    return hadamard_rotate(torch.eye(d, dtype=torch.float32)).to(device).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------- references

@@ -70,8 +70,12 @@ class DecodeStager:
         self._copied = torch.cuda.Event() if pin else None
         self._pad_slot = cache.scratch_block * cache.block_size  # latent row of a padding row's token
 
-    def stage(self, rows: DecodeRows, padded: int) -> ForwardBatch:
-        """Write ``rows`` (then padding up to ``padded`` rows) into the device buffers; return the batch view."""
+    def stage(self, rows: DecodeRows, padded: int,
+              prepare: Callable[[ForwardBatch], None] | None = None) -> ForwardBatch:
+        """Write ``rows`` (then padding up to ``padded`` rows) into the device buffers; return the batch view.
+
+        ``prepare(batch)``: the step's host-side planning (FlashInfer). Its copies are enqueued before the
+        event that the next :meth:`stage` waits on before rewriting pinned memory."""
         n = len(rows)
         if not n <= padded <= self.max_batch:
             raise ValueError(f"decode batch of {n} rows padded to {padded}: must be <= max batch {self.max_batch}")
@@ -98,13 +102,12 @@ class DecodeStager:
         # the whole [4, max_batch] block: a column slice is not contiguous and would go through a pageable copy
         self.dev_i64.copy_(self.host_i64, non_blocking=True)
         self.dev_bt[:padded].copy_(self.host_bt[:padded], non_blocking=True)
-        return self.view(padded, positions_host=list(rows.positions) + [0] * (padded - n))
-
-    def mark_consumed(self) -> None:
-        """Record that this step's host-side work (staging copies, a FlashInfer plan's copies) is enqueued:
-        the next :meth:`stage` waits for it before rewriting pinned memory."""
+        batch = self.view(padded, positions_host=list(rows.positions) + [0] * (padded - n))
+        if prepare is not None:
+            prepare(batch)
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self.device))
+        return batch
 
     def view(self, b: int, positions_host: list[int] | None = None) -> ForwardBatch:
         """The first ``b`` rows of the static buffers as a decode batch (logits for every row)."""
@@ -112,10 +115,6 @@ class DecodeStager:
         return ForwardBatch(input_ids=ids, positions=pos, seqs=[], logits_indices=self.logits_indices[:b],
                             decode=DecodeMeta(state_slots=slots, block_tables=self.dev_bt[:b],
                                               slot_mapping=slot_map, positions_host=positions_host))
-
-    def fill_padding(self, b: int) -> None:
-        """Every row a padding row (before warm-up and capture, so they touch only scratch cache rows)."""
-        self.stage(DecodeRows([], [], [], []), b)
 
 
 class DecodeAttentionPlanner:
@@ -163,10 +162,8 @@ class DecodeGraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.stager.device))
         with torch.cuda.stream(stream):
             for b in reversed(self.buckets):  # largest first: later graphs reuse its memory pool
-                self.stager.fill_padding(b)
-                batch = self.stager.view(b, positions_host=[0] * b)
-                self.prepare(batch)
-                self.stager.mark_consumed()
+                # every row a padding row: warm-up and capture touch only the scratch cache rows
+                batch = self.stager.stage(DecodeRows([], [], [], []), b, self.prepare)
                 for _ in range(2):  # compile / autotune every kernel outside capture
                     self.model.forward(batch, self.cache)
                 torch.cuda.synchronize(self.stager.device)
@@ -193,9 +190,7 @@ class DecodeGraphRunner:
         b = self.bucket_for(n)
         if b is None or b not in self.graphs:
             raise ValueError(f"no captured decode graph for {n} rows (buckets {self.buckets})")
-        batch = self.stager.stage(rows, b)
-        self.prepare(batch)
-        self.stager.mark_consumed()
+        batch = self.stager.stage(rows, b, self.prepare)
         graph, out = self.graphs[b]
         graph.replay()
         return batch, ModelOutput(logits=out.logits[:n], hidden=out.hidden[:n])

@@ -262,14 +262,14 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.bucket_for(n) is not None:
             batch, out = self.graphs.run(rows)
         else:
-            batch = self.stager.stage(rows, n)
-            self._prepare_decode(batch)
-            self.stager.mark_consumed()
+            batch = self.stager.stage(rows, n, self._prepare_decode)
             out = self.model.forward(batch, self.cache)
-        meta = batch.decode
-        # block_table here: the request's row of the padded int32 decode buffer (valid for this step only)
-        batch.seqs = [SeqChunk(start=i, num_tokens=1, context_len=p, block_table=meta.block_tables[i],
-                               state_slot=slot) for i, (p, slot) in enumerate(zip(rows.positions, rows.state_slots))]
+        if self.mtp is not None:  # the MTP proposal reads each request's rows from batch.seqs
+            meta = batch.decode
+            # block_table here: the request's row of the padded int32 decode buffer (valid for this step only)
+            batch.seqs = [SeqChunk(start=i, num_tokens=1, context_len=p, block_table=meta.block_tables[i],
+                                   state_slot=slot)
+                          for i, (p, slot) in enumerate(zip(rows.positions, rows.state_slots))]
         sample_idx = [(ci, ci, 1) for ci, c in enumerate(sched.chunks) if c.samples]
         return batch, out, sample_idx
 

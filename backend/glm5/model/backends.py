@@ -183,11 +183,7 @@ def decode_attn_backend(device: torch.device, dtype: torch.dtype | None = None, 
             raise BackendUnavailable(f"decode_attn_backend='flashinfer' cannot run: {err}. Install flashinfer-python "
                                      "(README: FlashInfer) or set GLM5_DECODE_ATTN_BACKEND=triton|torch")
         return "flashinfer"
-    err = triton_import_error() if device.type == "cuda" else "tensors are not on a CUDA device"
-    if want == "triton" and err is not None:
-        raise BackendUnavailable(f"decode_attn_backend='triton' cannot run: {err}. Run on CUDA with triton "
-                                 "installed, or set GLM5_DECODE_ATTN_BACKEND=torch")
-    return "triton" if err is None else "torch"
+    return _triton_or_torch("decode_attn", DECODE_ATTN_CHOICES, device)  # any dtype: fp32 uses IEEE products
 
 
 TRITON_DTYPES = (torch.bfloat16, torch.float32)  # what the index / MoE / mHC kernels are written and tested for

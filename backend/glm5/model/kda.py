@@ -35,16 +35,23 @@ def kda_gate(f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, lower_
     return -rate * torch.where(g > 20.0, g, torch.log1p(torch.exp(g)))
 
 
+def kda_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+             beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the recurrence → (output, new state). Leading dims broadcast, so the same step serves
+    one request (q [H, d], state [H, dk, dv]) and a decode batch (q [N, H, d], state [N, H, dk, dv])."""
+    state = state * g.exp().unsqueeze(-1)
+    kv_mem = (state * k.unsqueeze(-1)).sum(dim=-2)
+    delta = (v - kv_mem) * beta.unsqueeze(-1)
+    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return (state * q.unsqueeze(-1)).sum(dim=-2), state
+
+
 def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token recurrence. q,k,v,g: [n, H, d] fp32 (q pre-scaled); beta [n, H]; state [H, dk, dv]."""
     out = torch.empty_like(v)
     for t in range(q.shape[0]):
-        state = state * g[t].exp().unsqueeze(-1)
-        kv_mem = (state * k[t].unsqueeze(-1)).sum(dim=-2)
-        delta = (v[t] - kv_mem) * beta[t].unsqueeze(-1)
-        state = state + k[t].unsqueeze(-1) * delta.unsqueeze(-2)
-        out[t] = (state * q[t].unsqueeze(-1)).sum(dim=-2)
+        out[t], state = kda_step(state, q[t], k[t], v[t], g[t], beta[t])
     return out, state
 
 
@@ -167,9 +174,7 @@ class KDALayer:
             # GPU decode: one vectorised step for the whole batch (rows are in request order); the CPU
             # keeps the per-request conv1d below so its rounding stays that of the reference
             slots = torch.tensor([s.state_slot for s in batch.seqs], device=mixed.device)
-            window = torch.cat([conv_state[slots].to(mixed.dtype), mixed.unsqueeze(1)], dim=1)  # [N, K, 3D]
-            conv_state[slots] = window[:, 1:].to(conv_state.dtype)
-            return F.silu((window * self.conv_w.t().to(mixed.dtype).unsqueeze(0)).sum(dim=1))
+            return self._conv_step(mixed, slots, conv_state)
         out = torch.empty_like(mixed)
         for s in batch.seqs:
             rows = slice(s.start, s.end)
@@ -181,6 +186,13 @@ class KDALayer:
                                         groups=seq_in.shape[1])[0].t())
         return out
 
+    def _conv_step(self, mixed: torch.Tensor, slots: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+        """One causal-conv step for a batch of single-token rows (row i ↔ state slot ``slots[i]``), updating
+        the conv states; SiLU output ``[N, 3D]``."""
+        window = torch.cat([conv_state.index_select(0, slots).to(mixed.dtype), mixed.unsqueeze(1)], dim=1)  # [N, K, 3D]
+        conv_state.index_copy_(0, slots, window[:, 1:].to(conv_state.dtype))
+        return F.silu((window * self.conv_w.t().to(mixed.dtype).unsqueeze(0)).sum(dim=1))
+
     def _core_decode(self, mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
                      conv_state: torch.Tensor, rec_state: torch.Tensor) -> torch.Tensor:
         """Batched decode (one row per request, rows aligned with ``slots``): one conv step and one
@@ -190,9 +202,7 @@ class KDALayer:
         the l2 norms, the gate and the β sigmoid inside the kernel (same formulas and eps as
         :func:`kda_gate` / ``l2_normalize``: ~20 fewer launches per layer); the torch step is the same
         recurrence vectorised over requests."""
-        window = torch.cat([conv_state.index_select(0, slots).to(mixed.dtype), mixed.unsqueeze(1)], dim=1)
-        conv_state.index_copy_(0, slots, window[:, 1:].to(conv_state.dtype))
-        conv = F.silu((window * self.conv_w.t().to(mixed.dtype).unsqueeze(0)).sum(dim=1))  # [N, 3D]
+        conv = self._conv_step(mixed, slots, conv_state)  # [N, 3D]
         n = mixed.shape[0]
         q, k, v = conv.view(n, 3, self.heads, self.head_dim).unbind(1)
         scale = self.head_dim ** -0.5
@@ -212,12 +222,9 @@ class KDALayer:
         beta = torch.sigmoid(b).float()
         q = l2_normalize(q.float()) * scale
         k = l2_normalize(k.float())
-        state = rec_state.index_select(0, slots) * g.exp().unsqueeze(-1)             # [N, H, dk, dv]
-        kv_mem = (state * k.unsqueeze(-1)).sum(dim=-2)
-        delta = (v.float() - kv_mem) * beta.unsqueeze(-1)
-        state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+        out, state = kda_step(rec_state.index_select(0, slots), q, k, v.float(), g, beta)  # state [N, H, dk, dv]
         rec_state.index_copy_(0, slots, state)
-        return (state * q.unsqueeze(-1)).sum(dim=-2)
+        return out
 
     def _core_torch(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch,
                     conv_state: torch.Tensor, rec_state: torch.Tensor) -> torch.Tensor:
