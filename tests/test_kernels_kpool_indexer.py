@@ -1,7 +1,7 @@
 """kpool indexer kernels (pool append/compress, index scores, token selection) vs their torch references.
 
 Interpreter tests run the Triton kernels on CPU (``TRITON_INTERPRET=1`` in a subprocess, small shapes);
-plain CPU tests pin the selection semantics (stable tie order, dense causal rows, host-side counts);
+the selection tests pin its semantics (stable tie order, dense causal rows, host-side counts);
 ``gpu`` tests run the real shape on the H200 (32 heads × 128, kpool 4, 512 pools selected, up to 8192 pools).
 """
 
@@ -147,7 +147,7 @@ def test_indexer_scores_and_selection_match_reference_interpreter():
             sel = select_token_slots(got, nc, pos, bt, row_seq, n_select, kp, bs)
             sel_ref = select_token_slots_ref(ref, nc, pos, bt, row_seq, n_select, kp, bs)
             assert sel.shape == (N, n_select * kp + kp - 1) and sel.dtype == torch.int32
-            assert torch.equal(sel.sort(1).values, sel_ref.sort(1).values), (dtype, fp8, kp)
+            assert torch.equal(sel, sel_ref), (dtype, fp8, kp)
             n_valid = (sel >= 0).sum(1)
             assert torch.equal(n_valid, count_selected(pos, n_select, kp))
             assert all((sel[i, : n_valid[i]] >= 0).all() for i in range(N))           # valid entries first
@@ -245,60 +245,61 @@ def test_decode_chain_matches_kpool_indexer_visibility_interpreter():
     """)
 
 
-# ---------------------------------------------------------------------------------------------- plain CPU
-def test_selection_breaks_exact_ties_by_pool_id_like_the_stable_sort():
-    """Scores with many exact ties (0, -0.0, repeated values): the composite-key topk picks the stable
-    sort's set; dense rows (n_complete <= n_select) get every token 0..pos; counts match count_selected."""
-    from glm5_kernels.indexer import count_selected, select_token_slots, select_token_slots_ref
+# ---------------------------------------------------------------------------------------------- selection
+def test_selection_breaks_exact_ties_by_pool_id_like_the_stable_sort_interpreter():
+    """Scores with many exact ties (0, -0.0, repeated values): the radix select picks the stable sort's set
+    (the lowest pool ids among the boundary tie) and writes it in the reference's order; dense rows
+    (n_complete <= n_select) get every token 0..pos; counts match count_selected."""
+    _interpret("""
+        g = torch.Generator().manual_seed(3)
+        for kp, bs, n_select, mb in ((4, 16, 6, 8), (1, 8, 5, 6), (2, 8, 3, 5)):
+            max_pools = mb * bs // kp
+            n = 40
+            scores = torch.randint(0, 3, (n, max_pools), generator=g).float() * 0.5    # values 0, 0.5, 1: ties
+            scores[scores == 0.5] = torch.where(torch.rand(int((scores == 0.5).sum()), generator=g) < 0.5,
+                                                torch.tensor(0.5), torch.tensor(-0.0))
+            pos = torch.randint(0, max_pools * kp, (n,), generator=g)
+            pos[:4] = torch.tensor([0, kp - 1, n_select * kp - 1, n_select * kp + kp - 2])  # dense rows
+            nc = torch.div(pos + 1, kp, rounding_mode="floor")
+            scores = scores.masked_fill(torch.arange(max_pools)[None, :] >= nc[:, None], float("-inf"))
+            bt = torch.stack([torch.randperm(64, generator=g)[:mb] for _ in range(5)]).int()
+            row_seq = torch.randint(0, 5, (n,), generator=g).int()
+            counts = torch.full((n,), -7, dtype=torch.int32)
+            got = select_token_slots(scores, nc, pos, bt, row_seq, n_select, kp, bs, block=16, counts_out=counts)
+            assert torch.equal(got, select_token_slots_ref(scores, nc, pos, bt, row_seq, n_select, kp, bs))
+            assert torch.equal(counts.long(), count_selected(pos, n_select, kp))
+            for i in range(n):   # an explicit stable sort, independent of both implementations
+                order = sorted(range(int(nc[i])), key=lambda p: (-float(scores[i, p]), p))[:n_select]
+                tokens = {p * kp + j for p in order for j in range(kp)} | set(range(int(nc[i]) * kp, int(pos[i]) + 1))
+                slots = {int(bt[row_seq[i], t // bs]) * bs + t % bs for t in tokens}
+                assert {int(v) for v in got[i] if v >= 0} == slots, i
+                if nc[i] <= n_select:
+                    assert len(tokens) == int(pos[i]) + 1
+            counts = (got >= 0).sum(1)
+            assert torch.equal(counts, count_selected(pos, n_select, kp))
+            assert count_selected(pos.tolist(), n_select, kp) == counts.tolist()
+            assert count_selected(int(pos[5]), n_select, kp) == int(counts[5])
+    """)
 
-    g = torch.Generator().manual_seed(3)
-    kp, bs, n_select, mb = 4, 16, 6, 8
-    max_pools = mb * bs // kp
-    n = 40
-    scores = torch.randint(0, 3, (n, max_pools), generator=g).float() * 0.5       # values 0, 0.5, 1: ties
-    scores[scores == 0.5] = torch.where(torch.rand(int((scores == 0.5).sum()), generator=g) < 0.5,
-                                        torch.tensor(0.5), torch.tensor(-0.0))
-    pos = torch.randint(0, max_pools * kp, (n,), generator=g)
-    pos[:4] = torch.tensor([0, kp - 1, n_select * kp - 1, n_select * kp + kp - 2])  # dense rows
-    nc = torch.div(pos + 1, kp, rounding_mode="floor")
-    scores = scores.masked_fill(torch.arange(max_pools)[None, :] >= nc[:, None], float("-inf"))
-    bt = torch.stack([torch.randperm(64, generator=g)[:mb] for _ in range(5)]).int()
-    row_seq = torch.randint(0, 5, (n,), generator=g).int()
-    got = select_token_slots(scores, nc, pos, bt, row_seq, n_select, kp, bs)
-    want = select_token_slots_ref(scores, nc, pos, bt, row_seq, n_select, kp, bs)
-    assert torch.equal(got.sort(1).values, want.sort(1).values)
-    # the chosen pools are the lowest ids among the boundary tie: compare with an explicit stable sort
-    for i in range(n):
-        order = sorted(range(int(nc[i])), key=lambda p: (-float(scores[i, p]), p))[:n_select]
-        tokens = {p * kp + j for p in order for j in range(kp)} | set(range(int(nc[i]) * kp, int(pos[i]) + 1))
-        slots = {int(bt[row_seq[i], t // bs]) * bs + t % bs for t in tokens}
-        assert {int(v) for v in got[i] if v >= 0} == slots, i
-        if nc[i] <= n_select:
-            assert len(tokens) == int(pos[i]) + 1
-    counts = (got >= 0).sum(1)
-    assert torch.equal(counts, count_selected(pos, n_select, kp))
-    assert count_selected(pos.tolist(), n_select, kp) == counts.tolist()
-    assert count_selected(int(pos[5]), n_select, kp) == int(counts[5])
 
-
-def test_selection_with_fewer_pools_than_n_select_is_dense_causal():
+def test_selection_with_fewer_pools_than_n_select_is_dense_causal_interpreter():
     """A block table shorter than n_select pools (and a zero-width score matrix): every token 0..pos."""
-    from glm5_kernels.indexer import select_token_slots, select_token_slots_ref
-
-    kp, bs, n_select = 4, 8, 8
-    bt = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
-    pos = torch.tensor([0, 3, 5, 15, 14])
-    rs = torch.tensor([0, 1, 0, 1, 1], dtype=torch.int32)
-    nc = torch.div(pos + 1, kp, rounding_mode="floor")
-    scores = torch.randn(5, 4).masked_fill(torch.arange(4)[None, :] >= nc[:, None], float("-inf"))
-    got = select_token_slots(scores, nc, pos, bt, rs, n_select, kp, bs)
-    assert torch.equal(got.sort(1).values, select_token_slots_ref(scores, nc, pos, bt, rs, n_select, kp, bs).sort(1).values)
-    for i in range(5):
-        want = {int(bt[rs[i], t // bs]) * bs + t % bs for t in range(int(pos[i]) + 1)}
-        assert {int(v) for v in got[i] if v >= 0} == want and int((got[i] >= 0).sum()) == len(want)
-    empty = select_token_slots(torch.empty(2, 0), torch.zeros(2, dtype=torch.long), torch.tensor([0, 2]), bt,
-                               rs[:2], n_select, kp, bs)
-    assert empty[0, 0] == 24 and empty[1, :3].tolist() == [0, 1, 2] and (empty[:, 3:] == -1).all()
+    _interpret("""
+        kp, bs, n_select = 4, 8, 8
+        bt = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
+        pos = torch.tensor([0, 3, 5, 15, 14])
+        rs = torch.tensor([0, 1, 0, 1, 1], dtype=torch.int32)
+        nc = torch.div(pos + 1, kp, rounding_mode="floor")
+        scores = torch.randn(5, 4).masked_fill(torch.arange(4)[None, :] >= nc[:, None], float("-inf"))
+        got = select_token_slots(scores, nc, pos, bt, rs, n_select, kp, bs)
+        assert torch.equal(got, select_token_slots_ref(scores, nc, pos, bt, rs, n_select, kp, bs))
+        for i in range(5):
+            want = {int(bt[rs[i], t // bs]) * bs + t % bs for t in range(int(pos[i]) + 1)}
+            assert {int(v) for v in got[i] if v >= 0} == want and int((got[i] >= 0).sum()) == len(want)
+        empty = select_token_slots(torch.empty(2, 0), torch.zeros(2, dtype=torch.long), torch.tensor([0, 2]), bt,
+                                   rs[:2], n_select, kp, bs)
+        assert empty[0, 0] == 24 and empty[1, :3].tolist() == [0, 1, 2] and (empty[:, 3:] == -1).all()
+    """)
 
 
 def test_pool_members_ref_is_the_indexer_pooling():
@@ -413,7 +414,7 @@ def test_selection_matches_torch_path_at_real_shape_gpu(n):
     sel_args = (nc, c["pos"], c["bt"], c["row_seq"], c["n_select"], c["kp"], c["bs"])
     sel_same_scores = select_token_slots(ref, *sel_args)
     sel_ref = select_token_slots_ref(ref, *sel_args)
-    assert torch.equal(sel_same_scores.sort(1).values, sel_ref.sort(1).values)
+    assert torch.equal(sel_same_scores, sel_ref)
     overlap, rows = _overlap(select_token_slots(got, *sel_args), sel_ref)
     print(f"N={n}: score rel err {err:.2e}, selection overlap {overlap:.6f}, rows differing {rows}/{n}")
     assert err < 1e-5 and overlap >= 0.999

@@ -36,10 +36,12 @@ def test_sparse_mla_decode_matches_reference_gpu(n, k, dtype):
     from glm5_kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_ref
     q, lat, idx = _case(n, 64, 512, k, 40000, dtype, "cuda", seed=n * 1000 + k)
     ref = sparse_mla_decode_ref(q.double(), lat.double(), idx, 256 ** -0.5)
-    got = sparse_mla_decode(q, lat, idx, 256 ** -0.5)
-    assert torch.isfinite(got).all()
-    rel = ((got.double() - ref).norm() / ref.norm()).item()
-    assert rel < (1e-2 if dtype == torch.bfloat16 else 1e-3), rel
+    counts = (idx >= 0).sum(1).to(torch.int32)
+    for kw in ({}, {"counts": counts}):
+        got = sparse_mla_decode(q, lat, idx, 256 ** -0.5, **kw)
+        assert torch.isfinite(got).all()
+        rel = ((got.double() - ref).norm() / ref.norm()).item()
+        assert rel < (1e-2 if dtype == torch.bfloat16 else 1e-3), (kw.keys(), rel)
 
 
 def test_sparse_mla_decode_interpreter_cpu():
@@ -56,6 +58,16 @@ def test_sparse_mla_decode_interpreter_cpu():
         got = sparse_mla_decode(q, lat, idx, 0.3, splits=2, block_h=4, block_k=16)
         rel = ((got.double() - ref).norm() / ref.norm()).item()
         assert rel < 1e-4, rel
+        # counts: stop at each row's valid prefix (row 1 has 20; a split that starts past it stays empty)
+        counts = torch.tensor([37, 20], dtype=torch.int32)
+        got_c = sparse_mla_decode(q, lat, idx, 0.3, splits=3, block_h=4, block_k=16, counts=counts)
+        rel_c = ((got_c.double() - ref).norm() / ref.norm()).item()
+        assert rel_c < 1e-4, rel_c
+        # entries past a count are ignored even when valid: row 0 limited to its first 5
+        short = sparse_mla_decode(q, lat, idx, 0.3, splits=2, block_h=4, block_k=16,
+                                  counts=torch.tensor([5, 20], dtype=torch.int32))
+        ref5 = sparse_mla_decode_ref(q[:1].double(), lat.double(), idx[:1, :5], 0.3)
+        assert ((short[:1].double() - ref5).norm() / ref5.norm()).item() < 1e-4
         print("ok", rel)
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(

@@ -34,12 +34,12 @@ def sparse_mla_decode_ref(q_lat: torch.Tensor, latent: torch.Tensor, idx: torch.
 
 
 @triton.jit
-def _sparse_mla_split_kernel(q_ptr, lat_ptr, idx_ptr, o_ptr, m_ptr, l_ptr,
+def _sparse_mla_split_kernel(q_ptr, lat_ptr, idx_ptr, cnt_ptr, o_ptr, m_ptr, l_ptr,
                              scale, K, per_split,
                              stride_qn, stride_qh, stride_lat, stride_in,
                              stride_on, stride_os, stride_oh,
                              H: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                             SPLITS: tl.constexpr, IEEE: tl.constexpr):
+                             SPLITS: tl.constexpr, IEEE: tl.constexpr, HAS_CNT: tl.constexpr):
     n = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -52,6 +52,8 @@ def _sparse_mla_split_kernel(q_ptr, lat_ptr, idx_ptr, o_ptr, m_ptr, l_ptr,
     acc = tl.zeros([BLOCK_H, R], tl.float32)
     k_lo = sp * per_split
     k_hi = tl.minimum(k_lo + per_split, K)
+    if HAS_CNT:  # valid entries come first: stop at the row's count (short contexts select fewer rows)
+        k_hi = tl.minimum(k_hi, tl.load(cnt_ptr + n))
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < k_hi
@@ -82,10 +84,13 @@ def _sparse_mla_split_kernel(q_ptr, lat_ptr, idx_ptr, o_ptr, m_ptr, l_ptr,
 
 
 def sparse_mla_decode(q_lat: torch.Tensor, latent: torch.Tensor, idx: torch.Tensor, scale: float,
-                      splits: int | None = None, block_h: int = 16, block_k: int = 32) -> torch.Tensor:
+                      splits: int | None = None, block_h: int = 16, block_k: int = 32,
+                      counts: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of :func:`sparse_mla_decode_ref` (same arguments; returns fp32 ``[N, H, R]``).
 
-    ``q_lat`` and ``latent`` must share a dtype (bf16 or fp32); R must be a power of two.
+    ``q_lat`` and ``latent`` must share a dtype (bf16 or fp32); R must be a power of two. ``counts [N]``
+    (optional): row n's valid entries are its first ``counts[n]`` (as select_token_slots writes them);
+    programs past it skip their tiles instead of loading ``-1`` entries.
     ``splits`` defaults to enough programs to fill the GPU (~2 waves over 132 SMs).
     """
     n, h, r = q_lat.shape
@@ -104,10 +109,11 @@ def sparse_mla_decode(q_lat: torch.Tensor, latent: torch.Tensor, idx: torch.Tens
     m = torch.empty(n, splits, h, device=q_lat.device, dtype=torch.float32)
     l_ = torch.empty_like(m)
     _sparse_mla_split_kernel[(n, hblocks, splits)](
-        q_lat, latent, idx, o, m, l_, scale, k, per_split,
+        q_lat, latent, idx, counts if counts is not None else idx, o, m, l_, scale, k, per_split,
         q_lat.stride(0), q_lat.stride(1), latent.stride(0), idx.stride(0),
         o.stride(0), o.stride(1), o.stride(2),
-        H=h, R=r, BLOCK_H=block_h, BLOCK_K=block_k, SPLITS=splits, IEEE=q_lat.dtype == torch.float32, num_warps=8 if r >= 512 else 4)
+        H=h, R=r, BLOCK_H=block_h, BLOCK_K=block_k, SPLITS=splits, IEEE=q_lat.dtype == torch.float32,
+        HAS_CNT=counts is not None, num_warps=8 if r >= 512 else 4)
     m_max = m.max(dim=1, keepdim=True).values
     w = torch.exp(m - torch.where(torch.isinf(m_max), torch.zeros_like(m_max), m_max))  # [N, S, H]
     w = torch.where(torch.isinf(m), torch.zeros_like(w), w)

@@ -166,13 +166,15 @@ class KPoolIndexer:
     # ------------------------------------------------------------------ batched decode
     def decode_select(self, x: torch.Tensor, q_resid: torch.Tensor, raw: torch.Tensor, positions: torch.Tensor,
                       meta: DecodeMeta,
-                      cache: HybridCache, layer: int) -> torch.Tensor:
+                      cache: HybridCache, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Batched decode counterpart of :meth:`write` + :meth:`visible` (one row per request): appends
         every row's raw key to its tail (completing the pool when the row is its last token), scores the
         visible pools and returns the latent rows each query attends to, ``[N, index_topk + kpool - 1]``
-        int32 with the valid entries first and ``-1`` after. Dense rows (few enough complete pools) select
-        every pool, so they get all their tokens, as :meth:`visible` does. ``raw`` is :meth:`keys` of ``x``."""
-        if index_backend(x.device, x.dtype) == "triton":
+        int32 with the valid entries first and ``-1`` after, plus (Triton path) each row's count of valid
+        entries, ``[N]`` int32. Dense rows (few enough complete pools) select every pool, so they get all
+        their tokens, as :meth:`visible` does. ``raw`` is :meth:`keys` of ``x``."""
+        triton_path = index_backend(x.device, x.dtype) == "triton"
+        if triton_path:
             from glm5_kernels.indexer import indexer_scores, select_token_slots
             from glm5_kernels.kpool import kpool_decode_append
         else:
@@ -192,4 +194,8 @@ class KPoolIndexer:
         max_pools = meta.block_tables.shape[1] * cache.pools_per_block
         scores = indexer_scores(q, w, pool_keys, scales, meta.block_tables, row_seq, n_complete,
                                 cache.pools_per_block, self.head_dim ** -0.5, max_pools)
-        return select_token_slots(scores, n_complete, positions, meta.block_tables, row_seq, self.n_select, kp, bs)
+        args = (scores, n_complete, positions, meta.block_tables, row_seq, self.n_select, kp, bs)
+        if not triton_path:
+            return select_token_slots(*args), None
+        counts = torch.empty(n, dtype=torch.int32, device=x.device)
+        return select_token_slots(*args, counts_out=counts), counts

@@ -79,12 +79,12 @@ class MLALayer:
         meta = batch.decode
         lat_cache = cache.latent[self.layer]
         lat_cache.index_copy_(0, meta.slot_mapping, latent.to(lat_cache.dtype))
-        idx = self.indexer.decode_select(x, q_resid, raw_index, batch.positions, meta, cache, self.layer)
+        idx, counts = self.indexer.decode_select(x, q_resid, raw_index, batch.positions, meta, cache, self.layer)
         q_lat = torch.einsum("nhd,hdr->nhr", q, self.w_uk)
         backend = decode_attn_backend(x.device, x.dtype, self.rank)
         if backend == "triton":
             from glm5_kernels.sparse_mla_decode import sparse_mla_decode
-            o_lat = sparse_mla_decode(q_lat, lat_cache, idx, self.scale)
+            o_lat = sparse_mla_decode(q_lat, lat_cache, idx, self.scale, counts=counts)
         elif backend == "flashinfer":
             if meta.flashinfer is None:
                 raise RuntimeError("decode_attn_backend is flashinfer but the step was not planned: the model "
