@@ -100,6 +100,43 @@ def test_fla_in_kernel_gate_decode_matches_torch_step(refs_and_ckpt):
     assert rel_o < 2e-2 and rel_s < 1e-2
 
 
+def test_fla_in_kernel_gate_prefill_matches_torch(refs_and_ckpt):
+    """KDA prefill (two requests, one resuming from a cached state, one ≤ 8 rows): fla's chunk / recurrent
+    kernels with in-kernel l2 norm, gate (safe_gate) and β sigmoid vs the torch reference path (bf16)."""
+    from glm5.model.batch import ForwardBatch, SeqChunk
+    refs, ckpt = refs_and_ckpt
+    eng = engine(ckpt, device="cuda", dtype="bfloat16", max_model_len=512, enforce_eager=True)
+    runner = eng.runner
+    layer = next(lay.attn for lay in runner.model.layers if hasattr(lay.attn, "_core_fla"))
+    cache = runner.cache
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for t in (cache.conv[layer.layer], cache.recurrent[layer.layer]):
+        t.copy_(0.1 * torch.randn(t.shape, device="cuda", generator=gen))
+    bt = torch.arange(4, device="cuda")
+    for lens in ([300, 150], [5, 3]):
+        seqs, start = [], 0
+        for i, n in enumerate(lens):
+            seqs.append(SeqChunk(start, n, 40 * i, bt, state_slot=3 + i))
+            start += n
+        batch = ForwardBatch(input_ids=torch.zeros(start, dtype=torch.long, device="cuda"),
+                             positions=torch.cat([torch.arange(s.context_len, s.total_len) for s in seqs]).cuda(),
+                             seqs=seqs, logits_indices=torch.tensor([start - 1], device="cuda"))
+        x = torch.randn(start, runner.cfg.text.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+        saved = (cache.conv[layer.layer].clone(), cache.recurrent[layer.layer].clone())
+        results = {}
+        for kda in ("torch", "fla"):
+            cache.conv[layer.layer].copy_(saved[0])
+            cache.recurrent[layer.layer].copy_(saved[1])
+            backends.set_backends(kda=kda)
+            out = layer(x, batch, cache)
+            results[kda] = (out.float(), cache.recurrent[layer.layer][[3, 4]].float().clone(),
+                            cache.conv[layer.layer][[3, 4]].float().clone())
+        backends.set_backends(kda="auto")
+        rel = [((results["fla"][i] - results["torch"][i]).norm() / results["torch"][i].norm()).item() for i in range(3)]
+        print(f"fla in-kernel gate prefill {lens} vs torch: rel out {rel[0]:.2e}, state {rel[1]:.2e}, conv {rel[2]:.2e}")
+        assert rel[0] < 2e-2 and rel[1] < 2e-2 and rel[2] == 0.0
+
+
 @pytest.mark.parametrize("n_tok,dtype", [(1, torch.float32), (3, torch.float32), (300, torch.float32),
                                          (300, torch.bfloat16)])
 def test_fla_kda_matches_torch_reference(n_tok, dtype):

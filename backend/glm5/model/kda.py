@@ -152,12 +152,14 @@ class KDALayer:
             y = gated_rms_norm(core.to(x.dtype), gate.view(-1, self.heads, self.head_dim), self.o_norm,
                                self.cfg.rms_norm_eps)
             return F.linear(y.reshape(x.shape[0], self.dim), self.o_proj)
-        g = kda_gate(f, self.a_log, self.dt_bias, self.cfg.linear_lower_bound, self.head_dim)
-        beta = torch.sigmoid(b).float()
-        if kda_backend(x.device, x.dtype) == "fla":
-            core = self._core_fla(mixed, g, beta, batch, conv_state, rec_state)
+        if kda_backend(x.device, x.dtype) == "fla" and not any(s.record_states for s in batch.seqs):
+            core = self._core_fla(mixed, f, b, batch, conv_state, rec_state)
         else:
-            core = self._core_torch(mixed, g, beta, batch, conv_state, rec_state)
+            # verification batches need every row's state for rollback; fla 0.6.0's in-place kernel
+            # cannot write per-row states outside the slot pool, so these (small) batches take the
+            # reference recurrence. Documented in backends.py; not a silent change of results.
+            g = kda_gate(f, self.a_log, self.dt_bias, self.cfg.linear_lower_bound, self.head_dim)
+            core = self._core_torch(mixed, g, torch.sigmoid(b).float(), batch, conv_state, rec_state)
         y = gated_rms_norm(core.to(x.dtype), gate.view(-1, self.heads, self.head_dim), self.o_norm,
                            self.cfg.rms_norm_eps)
         return F.linear(y.reshape(x.shape[0], self.dim), self.o_proj)
@@ -185,6 +187,31 @@ class KDALayer:
             out[rows] = F.silu(F.conv1d(seq_in.t().unsqueeze(0), self.conv_w.unsqueeze(1).to(seq_in.dtype),
                                         groups=seq_in.shape[1])[0].t())
         return out
+
+    def _conv_fla(self, mixed: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor) -> torch.Tensor:
+        """:meth:`_conv` through fla's varlen Triton causal conv (SiLU fused, fp32 accumulation): cuDNN's
+        depthwise conv1d took ~1 ms per layer for a 4K chunk. fla reads each request's history from an
+        ``[N, 3D, K]`` initial state whose last ``K-1`` columns are the cached inputs, oldest first;
+        the cached states are then updated exactly as :meth:`_conv` does."""
+        if len(batch.seqs) == mixed.shape[0] and all(s.num_tokens == 1 for s in batch.seqs):
+            return self._conv(mixed, batch, conv_state)
+        from fla.modules.causal_conv1d import causal_conv1d
+
+        kconv = self.conv_w.shape[-1]
+        dev = mixed.device
+        slots = torch.tensor([s.state_slot for s in batch.seqs], device=dev)
+        history = conv_state.index_select(0, slots).to(mixed.dtype)                        # [N, K-1, 3D]
+        init = torch.zeros(len(batch.seqs), mixed.shape[1], kconv, device=dev, dtype=mixed.dtype)
+        init[:, :, 1:] = history.transpose(1, 2)
+        cu = torch.tensor([0] + [s.num_tokens for s in batch.seqs], device=dev).cumsum(0)
+        out, _ = causal_conv1d(mixed.unsqueeze(0), weight=self.conv_w.to(mixed.dtype), initial_state=init,
+                               activation="silu", cu_seqlens=cu)
+        for i, s in enumerate(batch.seqs):
+            if s.num_tokens >= kconv - 1:
+                conv_state[s.state_slot].copy_(mixed[s.end - (kconv - 1): s.end])
+            else:
+                conv_state[s.state_slot].copy_(torch.cat([history[i], mixed[s.start: s.end]])[-(kconv - 1):])
+        return out[0]
 
     def _conv_step(self, mixed: torch.Tensor, slots: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
         """One causal-conv step for a batch of single-token rows (row i ↔ state slot ``slots[i]``), updating
@@ -217,7 +244,7 @@ class KDALayer:
                 inplace_final_state=True, ssm_state_indices=slots, use_qk_l2norm_in_kernel=True,
                 use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                 lower_bound=self.cfg.linear_lower_bound, out=torch.empty_like(v))
-            return out[:, 0].float()
+            return out[:, 0]  # model dtype: the output norm takes it as is
         g = kda_gate(f, self.a_log, self.dt_bias, self.cfg.linear_lower_bound, self.head_dim)
         beta = torch.sigmoid(b).float()
         q = l2_normalize(q.float()) * scale
@@ -247,46 +274,42 @@ class KDALayer:
             core[rows] = out
         return core
 
-    def _core_fla(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch,
+    def _core_fla(self, mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, batch: ForwardBatch,
                   conv_state: torch.Tensor, rec_state: torch.Tensor) -> torch.Tensor:
-        """fla-core path (CUDA): one varlen launch for the whole batch.
+        """fla-core path (CUDA): one varlen launch for the whole batch, in the model dtype.
 
-        Decode / verification batches (every request ≤ ``RECURRENT_MAX_TOKENS`` rows) run
+        Decode / verification-sized batches (every request ≤ ``RECURRENT_MAX_TOKENS`` rows) run
         ``fused_recurrent_kda_fwd`` directly on the state-slot pool (gathered and updated in place
         through ``ssm_state_indices``); prefill batches run ``chunk_kda`` from the gathered slots
-        and scatter the final states back. q/k are l2-normalised here (our eps) and the gate is
-        precomputed in fp32, so both paths compute exactly the reference's function.
+        and scatter the final states back. Both take the raw gate projection ``f`` and β logits ``b``
+        and compute the q/k l2 norms, :func:`kda_gate` and the β sigmoid inside the kernels (same
+        formulas and eps): at an 8K prefill the torch versions of those were ~20 fp32 passes over
+        ``[T, H·d]`` per layer. ``safe_gate`` (fla's M=16 tensor-core path for gates bounded below)
+        is taken when the config bounds the gate in fla's supported range.
         """
         from fla.ops.kda import chunk_kda
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
-        if any(s.record_states for s in batch.seqs):
-            # verification batches need every row's state for rollback; fla 0.6.0's in-place kernel
-            # cannot write per-row states outside the slot pool, so these (small) batches take the
-            # reference recurrence. Documented in backends.py; not a silent change of results.
-            return self._core_torch(mixed, g, beta, batch, conv_state, rec_state)
-        conv = self._conv(mixed, batch, conv_state)
+        conv = self._conv_fla(mixed, batch, conv_state)
         n_tok, dev = mixed.shape[0], mixed.device
-        q, k, v = conv.view(n_tok, 3, self.heads, self.head_dim).unbind(1)
-        dtype = mixed.dtype
-        q = l2_normalize(q.float()).to(dtype).unsqueeze(0)
-        k = l2_normalize(k.float()).to(dtype).unsqueeze(0)
-        v = v.contiguous().unsqueeze(0)
-        g4 = g.float().unsqueeze(0).contiguous()
-        b3 = beta.float().unsqueeze(0).contiguous()
+        q, k, v = (t.contiguous().unsqueeze(0) for t in conv.view(n_tok, 3, self.heads, self.head_dim).unbind(1))
+        f4 = f.view(1, n_tok, self.heads, self.head_dim)
+        b3 = b.contiguous().unsqueeze(0)
         lens = [s.num_tokens for s in batch.seqs]
         cu = torch.tensor([0] + lens, device=dev).cumsum(0)
         slots = [s.state_slot for s in batch.seqs]
-        scale = self.head_dim ** -0.5
+        lower = self.cfg.linear_lower_bound
+        gate = dict(A_log=self.a_log_flat, dt_bias=self.dt_bias_flat, lower_bound=lower, scale=self.head_dim ** -0.5,
+                    use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
         if max(lens) <= RECURRENT_MAX_TOKENS:
             # every step of a request writes its (single) slot: [N, T_max] indices all equal to the slot
             idx = torch.tensor(slots, device=dev, dtype=torch.int32).unsqueeze(1).expand(-1, max(lens)).contiguous()
-            out, _ = fused_recurrent_kda_fwd(q, k, v, g4, b3, initial_state=rec_state, scale=scale,
-                                             inplace_final_state=True, cu_seqlens=cu, ssm_state_indices=idx,
-                                             out=torch.empty_like(v, dtype=dtype))
+            out, _ = fused_recurrent_kda_fwd(q, k, v, f4, b3, initial_state=rec_state, inplace_final_state=True,
+                                             cu_seqlens=cu, ssm_state_indices=idx, out=torch.empty_like(v), **gate)
         else:
             slot_t = torch.tensor(slots, device=dev)
-            out, final = chunk_kda(q, k, v, g4, b3, scale=scale, initial_state=rec_state[slot_t].contiguous(),
-                                   output_final_state=True, cu_seqlens=cu)
+            safe = lower is not None and -5.0 <= lower < 0.0
+            out, final = chunk_kda(q, k, v, f4.contiguous(), b3, initial_state=rec_state[slot_t].contiguous(),
+                                   output_final_state=True, cu_seqlens=cu, safe_gate=safe, **gate)
             rec_state[slot_t] = final.to(rec_state.dtype)
-        return out[0].float()
+        return out[0]

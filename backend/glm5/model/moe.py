@@ -47,8 +47,9 @@ class MoE:
 
     def __init__(self, weights: dict[str, torch.Tensor], prefix: str, cfg: TextConfig):
         self.cfg = cfg
-        self.gate_w = weights[f"{prefix}.gate.weight"]
-        self.bias = weights[f"{prefix}.gate.e_score_correction_bias"]
+        # the router runs in fp32: convert once here, not on every step (5 conversions per decode step)
+        self.gate_w = weights[f"{prefix}.gate.weight"].float()
+        self.bias = weights[f"{prefix}.gate.e_score_correction_bias"].float()
         self.w_gate = weights[f"{prefix}.experts.gate_proj"]
         self.w_up = weights[f"{prefix}.experts.up_proj"]
         self.w_down = weights[f"{prefix}.experts.down_proj"]
