@@ -2,6 +2,11 @@
 
 ``python bench/kernel_bench.py OUT.json``: sparse NoPE MLA decode (64 heads, 512 latent, 2051 selected
 rows from a 4M-row cache) at several batch sizes; achieved bytes/s vs the measured copy bandwidth.
+
+``python bench/kernel_bench.py --small OUT.json``: the latency-bound decode kernels at the bench shapes,
+each replayed from a CUDA graph: the index selection (radix select vs the ``torch.topk`` it replaced) at
+context 1K/8K/32K over the 32K-wide block table, sparse MLA with and without valid counts and several
+split/tile choices, and the mHC projection's split-K choices: the data for choosing those defaults.
 """
 
 from __future__ import annotations
@@ -37,5 +42,76 @@ def main() -> None:
     json.dump({"copy_bw_Bps": bw, "rows": rows}, open(sys.argv[1], "w"), indent=1)
 
 
+def graph_us(fn, reps: int = 200) -> float:
+    """µs per call of ``fn`` replayed from a CUDA graph (launch overhead excluded, as in a decode step)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return triton.testing.do_bench(g.replay, rep=reps, return_mode="median") * 1000.0
+
+
+def small() -> None:
+    from glm5_kernels.indexer import select_token_slots
+    from glm5_kernels.mhc import mhc_pre
+
+    rows = []
+
+    def log(row: dict) -> None:
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    kp, bs, n_select, mb = 4, 64, 512, 514                       # 514 blocks of 64 = the 32K bench table
+    ppb, max_pools = bs // kp, 514 * 16
+    for n in (1, 8, 64, 256):
+        for ctx in (1024, 8192, 32768):
+            pos = torch.full((n,), ctx, device="cuda", dtype=torch.int64)
+            nc = torch.div(pos + 1, kp, rounding_mode="floor")
+            scores = torch.randn(n, max_pools, device="cuda").masked_fill(
+                torch.arange(max_pools, device="cuda")[None, :] >= nc[:, None], float("-inf"))
+            bt = torch.randperm(n * mb, device="cuda").view(n, mb).int()
+            rs = torch.arange(n, device="cuda", dtype=torch.int32)
+            cnt = torch.empty(n, device="cuda", dtype=torch.int32)
+            bits = scores.view(torch.int32)
+            key = (torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long() << 32) | torch.arange(max_pools, device="cuda")
+            log({"kernel": "select", "n": n, "ctx": ctx,
+                 "radix_us": graph_us(lambda: select_token_slots(scores, nc, pos, bt, rs, n_select, kp, bs,
+                                                                 counts_out=cnt)),
+                 "topk_only_us": graph_us(lambda: torch.topk(key, n_select, dim=1))})
+    h, r = 64, 512
+    lat = torch.randn(1 << 21, r, device="cuda", dtype=torch.bfloat16)
+    for n in (1, 8, 64):
+        q = torch.randn(n, h, r, device="cuda", dtype=torch.bfloat16)
+        for valid in (1025, 2051):
+            idx = torch.randint(0, lat.shape[0], (n, 2051), device="cuda", dtype=torch.int32)
+            idx[:, valid:] = -1
+            cnt = torch.full((n,), valid, device="cuda", dtype=torch.int32)
+            row = {"kernel": "sparse_mla", "n": n, "valid": valid,
+                   "default_us": graph_us(lambda: sparse_mla_decode(q, lat, idx, 0.0625)),
+                   "counts_us": graph_us(lambda: sparse_mla_decode(q, lat, idx, 0.0625, counts=cnt))}
+            for sp in (8, 16, 32, 64):
+                for bh, bk in ((16, 32), (16, 64), (32, 32), (64, 32)):
+                    try:
+                        row[f"s{sp}_h{bh}_k{bk}_us"] = graph_us(lambda: sparse_mla_decode(
+                            q, lat, idx, 0.0625, splits=sp, block_h=bh, block_k=bk, counts=cnt))
+                    except Exception as e:  # out of shared memory / registers for that tile
+                        row[f"s{sp}_h{bh}_k{bk}_us"] = f"{type(e).__name__}"
+            log(row)
+    n_hc, hid = 4, 4096
+    fn = torch.randn(n_hc * (n_hc + 2), n_hc * hid, device="cuda") * 0.02
+    base, scale = torch.randn(n_hc * (n_hc + 2), device="cuda"), torch.rand(3, device="cuda")
+    w = torch.ones(hid, device="cuda", dtype=torch.bfloat16)
+    for t in (1, 8, 64, 256):
+        streams = torch.randn(t, n_hc, hid, device="cuda", dtype=torch.bfloat16)
+        row = {"kernel": "mhc_pre", "T": t}
+        for splits in (None, 32, 64, 128, 256):
+            for bk in (32, 64, 128):
+                row[f"s{splits}_k{bk}_us"] = graph_us(lambda: mhc_pre(streams, fn, base, scale, n_hc, 1e-6, 1e-5, 20,
+                                                                      w, 1e-5, splits=splits, block_k=bk))
+        log(row)
+    json.dump({"rows": rows}, open(sys.argv[-1], "w"), indent=1)
+
+
 if __name__ == "__main__":
-    main()
+    small() if "--small" in sys.argv else main()

@@ -31,7 +31,7 @@ def finalize(res: dict) -> dict:
             r["peak_fraction"] = r["tflops"] * 1e12 / peak
     hf = res.get("hf")
     if hf and "step_s" in hf:
-        hf["tok_s"] = 1 / hf["step_s"]
+        hf["tok_s"] = hf.get("batch", 1) / hf["step_s"]
     if "config" not in res:
         sys.path.insert(0, str(HERE))
         from bench import bench_config_dict
@@ -119,13 +119,23 @@ def render(res: dict, path: Path) -> None:
                   *mla_kernel_table(res["mla_kernels"]), ""]
     hf = res.get("hf")
     if hf and "step_s" in hf:
-        lines += ["## transformers' glm5_next, same config, batch 1, context 1024", "",
-                  f"{res.get('hf_run', 'this run')}: transformers decode step **{hf['step_s'] * 1e3:.1f} ms** "
-                  f"({hf['tok_s']:.1f} tok/s); its 1K prefill took {hf['prefill_s']:.0f} s (first-call kernel "
-                  "compilation included).", ""]
+        engine = {r["batch"]: r for r in res["decode"] if r.get("ctx") == hf["ctx"] and "error" not in r}
+        lines += [f"## transformers' glm5_next, same config, context {hf['ctx']}", "",
+                  f"{res.get('hf_run', 'this run')}: transformers decode step **{hf['step_s'] * 1e3:.1f} ms** at "
+                  f"batch 1 ({hf['tok_s']:.1f} tok/s); its 1K prefill took {hf['prefill_s']:.0f} s (first-call kernel "
+                  "compilation and autotuning included).", ""]
+        if 1 in engine and res.get("hf_run") is None:
+            lines += [f"Engine at batch 1 in this run: {engine[1]['tok_s']:.0f} tok/s = **"
+                      f"{engine[1]['tok_s'] / hf['tok_s']:.1f}×** transformers.", ""]
         for r in hf.get("batches", [])[1:]:
-            lines += [f"- batch {r['batch']}: " + (f"error {r['error'][:120]}" if "error" in r else
-                                                    f"step {r['step_s'] * 1e3:.1f} ms, {r['tok_s']:.0f} tok/s")]
+            if "error" in r or "skipped" in r:
+                lines += [f"- batch {r['batch']}: " + (f"error {r['error'][:120]}" if "error" in r else r["skipped"])]
+                continue
+            vs = (f"; engine {engine[r['batch']]['tok_s']:.0f} tok/s = {engine[r['batch']]['tok_s'] / r['tok_s']:.1f}×"
+                  if r["batch"] in engine and res.get("hf_run") is None else "")
+            lines += [f"- batch {r['batch']}: step {r['step_s'] * 1e3:.1f} ms, {r['tok_s']:.0f} tok/s{vs}"]
+        if hf.get("largest_batch_survived"):
+            lines += ["", f"Largest batch transformers survived (of those tried): **{hf['largest_batch_survived']}**."]
         if hf.get("batches"):
             lines += [""]
     notes = HERE / "RESULTS_NOTES.md"

@@ -5,6 +5,6 @@
 source bench/device/setup.sh
 source bench/device/flashinfer_setup.sh
 export GLM5_TRAINED_CKPT=$PWD/.gpuref/trained GLM5_DIAG_OUT=$OUT
-timeout 150 python3 -m pytest -m gpu -q -rA -s tests/test_gpu_bf16.py -k layer > "$OUT/gpu_bf16_diag.log" 2>&1; tail -4 "$OUT/gpu_bf16_diag.log"
-timeout 90 python3 -m pytest -m gpu -q -rA -s tests/test_flashinfer.py -k engine > "$OUT/gpu_flashinfer_engine.log" 2>&1; tail -4 "$OUT/gpu_flashinfer_engine.log"
-timeout 330 python3 bench/bench.py --out "$OUT/bench" --profile-prefill > "$OUT/bench_stdout.log" 2>&1; tail -20 "$OUT/bench_stdout.log" | cut -c1-250
+timeout 120 python3 -m pytest -m gpu -q -rA -s tests/test_gpu_bf16.py -k layer > "$OUT/gpu_bf16_diag.log" 2>&1; tail -4 "$OUT/gpu_bf16_diag.log"
+timeout 80 python3 -m pytest -m gpu -q -rA -s tests/test_flashinfer.py -k engine > "$OUT/gpu_flashinfer_engine.log" 2>&1; tail -4 "$OUT/gpu_flashinfer_engine.log"
+timeout ${BENCH_TIMEOUT:-330} python3 bench/bench.py --out "$OUT/bench" --profile-prefill ${BENCH_ARGS:-} > "$OUT/bench_stdout.log" 2>&1; tail -20 "$OUT/bench_stdout.log" | cut -c1-250
