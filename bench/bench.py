@@ -267,26 +267,26 @@ def kernel_profile(s: "Setup", fn, path: Path, rows: int = 30) -> dict:
             "kernel_time_s": sum(e.self_device_time_total for e in cuda_events) / 1e6, "table": table}
 
 
-def run_prefill(s: Setup, lengths, chunk: int, log) -> list[dict]:
+def prefill_once(s: Setup, n: int, chunk: int, slot: int = 0) -> None:
+    """One ``n``-token prompt (random ids) prefilled from an empty state slot in ``chunk``-token chunks."""
     from glm5.model.batch import ForwardBatch, SeqChunk
+    bt = torch.arange(0, s.blocks_per_req, device="cuda")
+    s.cache.reset_slot(slot)
+    for lo in range(0, n, chunk):
+        m = min(chunk, n - lo)
+        s.model.forward(ForwardBatch(input_ids=torch.randint(0, 150000, (m,), device="cuda"),
+                                     positions=torch.arange(lo, lo + m, device="cuda"),
+                                     seqs=[SeqChunk(0, m, lo, bt, slot)],
+                                     logits_indices=torch.tensor([m - 1], device="cuda")), s.cache)
+
+
+def run_prefill(s: Setup, lengths, chunk: int, log) -> list[dict]:
     rows = []
     for n in lengths:
         try:
-            slot = 0
-            bt = torch.arange(0, s.blocks_per_req, device="cuda")
-
-            def go():
-                s.cache.reset_slot(slot)
-                for lo in range(0, n, chunk):
-                    m = min(chunk, n - lo)
-                    batch = ForwardBatch(input_ids=torch.randint(0, 150000, (m,), device="cuda"),
-                                         positions=torch.arange(lo, lo + m, device="cuda"),
-                                         seqs=[SeqChunk(0, m, lo, bt, slot)],
-                                         logits_indices=torch.tensor([m - 1], device="cuda"))
-                    s.model.forward(batch, s.cache)
-            # two warm-ups: the second 8K prefill of a process still ran 20 % slow (bench/step_anatomy.json:
-            # 1.55, 0.25, 0.21, 0.21, 0.21 s), and a median of three after one warm-up reported 0.35 s
-            times = timed(go, 3 if n <= 8192 else 1, warmup=2)
+            # two warm-ups: after one, consecutive 8K prefills took 1.55, 0.25, 0.21, 0.21, 0.21 s
+            # (bench/step_anatomy.json), and a median of three after one warm-up reported 0.35 s
+            times = timed(lambda: prefill_once(s, n, chunk), 3 if n <= 8192 else 1, warmup=2)
             t = median(times)
             fl = s.prefill_flops(n)
             row = {"tokens": n, "chunk": chunk, "time_s": t, "tok_s": n / t, "flops": fl, "tflops": fl / t / 1e12}
@@ -301,18 +301,8 @@ def run_prefill(s: Setup, lengths, chunk: int, log) -> list[dict]:
 def profile_prefill(s: Setup, n: int, chunk: int, out: Path) -> dict:
     """Kernel table of one whole ``n``-token prefill (after a warm-up), grouped by kernel and by the torch op
     that launched it: where prefill time goes (issue 7 asks for profile evidence of what limits it)."""
-    from glm5.model.batch import ForwardBatch, SeqChunk
-    bt = torch.arange(0, s.blocks_per_req, device="cuda")
-
-    def go():
-        s.cache.reset_slot(0)
-        for lo in range(0, n, chunk):
-            m = min(chunk, n - lo)
-            s.model.forward(ForwardBatch(input_ids=torch.randint(0, 150000, (m,), device="cuda"),
-                                         positions=torch.arange(lo, lo + m, device="cuda"),
-                                         seqs=[SeqChunk(0, m, lo, bt, 0)],
-                                         logits_indices=torch.tensor([m - 1], device="cuda")), s.cache)
-    return {"tokens": n, "chunk": chunk, **kernel_profile(s, go, out / f"profile_prefill_{n}.txt", rows=40)}
+    return {"tokens": n, "chunk": chunk, **kernel_profile(s, lambda: prefill_once(s, n, chunk),
+                                                          out / f"profile_prefill_{n}.txt", rows=40)}
 
 
 def run_hf(ctx: int, steps: int, log, batches=(1,), deadline: float | None = None) -> dict:

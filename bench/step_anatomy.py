@@ -18,12 +18,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import Setup, decode_rows, kernel_profile, median  # noqa: E402
+from bench import Setup, decode_rows, kernel_profile, median, prefill_once  # noqa: E402
 
 
 def main() -> None:
     from glm5.engine.cuda_graph import DecodeAttentionPlanner, DecodeGraphRunner, DecodeStager
-    from glm5.model.batch import ForwardBatch, SeqChunk
 
     out: dict = {}
     s = Setup(1, 32768)
@@ -58,22 +57,12 @@ def main() -> None:
                                 "step_ms": median(step) * 1e3, "kernels": prof["cuda_kernels"],
                                 "kernel_time_ms": prof["kernel_time_s"] * 1e3}
     print(json.dumps(out), flush=True)
-    bt = torch.arange(0, s.blocks_per_req, device="cuda")
-
-    def prefill(n: int = 8192, chunk: int = 4096) -> None:
-        s.cache.reset_slot(0)
-        for lo in range(0, n, chunk):
-            m = min(chunk, n - lo)
-            s.model.forward(ForwardBatch(input_ids=torch.randint(0, 150000, (m,), device="cuda"),
-                                         positions=torch.arange(lo, lo + m, device="cuda"),
-                                         seqs=[SeqChunk(0, m, lo, bt, 0)],
-                                         logits_indices=torch.tensor([m - 1], device="cuda")), s.cache)
-    prefill()
+    prefill_once(s, 8192, 4096)
     torch.cuda.synchronize()
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
-        prefill()
+        prefill_once(s, 8192, 4096)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     out["prefill_8192_s"] = times

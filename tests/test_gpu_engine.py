@@ -72,20 +72,20 @@ def test_bf16_graph_replay_equals_eager_batched_decode(refs_and_ckpt):
     assert outs["graphs"] == outs["eager"]
 
 
-def test_fla_in_kernel_gate_decode_matches_torch_step(refs_and_ckpt):
-    """KDA batched decode: fla's kernel with in-kernel l2 norm / gate / β sigmoid vs the torch step (bf16)."""
-    from glm5.engine.cuda_graph import DecodeRows
-    refs, ckpt = refs_and_ckpt
+def _kda_layer_and_cache(ckpt, seed: int):
+    """A bf16 eager engine's first KDA layer and its cache, with random conv / recurrent states."""
     eng = engine(ckpt, device="cuda", dtype="bfloat16", max_model_len=512, decode_path="batched", enforce_eager=True)
-    runner = eng.runner
-    layer = next(lay.attn for lay in runner.model.layers if hasattr(lay.attn, "_core_decode"))
-    cache = runner.cache
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    layer = next(lay.attn for lay in eng.runner.model.layers if hasattr(lay.attn, "_core_fla"))
+    cache = eng.runner.cache
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     for t in (cache.conv[layer.layer], cache.recurrent[layer.layer]):
         t.copy_(0.1 * torch.randn(t.shape, device="cuda", generator=gen))
-    rows = DecodeRows(tokens=[1, 2, 3], positions=[5, 9, 40], state_slots=[2, 0, 7], block_tables=[[0], [1], [2, 3, 4]])
-    batch = runner.stager.stage(rows, 3)
-    x = torch.randn(3, runner.cfg.text.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return eng.runner, layer, cache, gen
+
+
+def _torch_vs_fla(layer, x, batch, cache, slots: list[int]) -> list[float]:
+    """Run the layer with kda=torch then kda=fla from the same states; relative differences of the
+    output, the recurrent states and the conv states of ``slots``."""
     saved = (cache.conv[layer.layer].clone(), cache.recurrent[layer.layer].clone())
     results = {}
     for kda in ("torch", "fla"):
@@ -93,9 +93,21 @@ def test_fla_in_kernel_gate_decode_matches_torch_step(refs_and_ckpt):
         cache.recurrent[layer.layer].copy_(saved[1])
         backends.set_backends(kda=kda)
         out = layer(x, batch, cache)
-        results[kda] = (out.float(), cache.recurrent[layer.layer][[2, 0, 7]].clone())
-    rel_o = ((results["fla"][0] - results["torch"][0]).norm() / results["torch"][0].norm()).item()
-    rel_s = ((results["fla"][1] - results["torch"][1]).norm() / results["torch"][1].norm()).item()
+        results[kda] = (out.float(), cache.recurrent[layer.layer][slots].float().clone(),
+                        cache.conv[layer.layer][slots].float().clone())
+    backends.set_backends(kda="auto")
+    return [((results["fla"][i] - results["torch"][i]).norm() / results["torch"][i].norm()).item() for i in range(3)]
+
+
+def test_fla_in_kernel_gate_decode_matches_torch_step(refs_and_ckpt):
+    """KDA batched decode: fla's kernel with in-kernel l2 norm / gate / β sigmoid vs the torch step (bf16)."""
+    from glm5.engine.cuda_graph import DecodeRows
+    refs, ckpt = refs_and_ckpt
+    runner, layer, cache, gen = _kda_layer_and_cache(ckpt, seed=0)
+    rows = DecodeRows(tokens=[1, 2, 3], positions=[5, 9, 40], state_slots=[2, 0, 7], block_tables=[[0], [1], [2, 3, 4]])
+    batch = runner.stager.stage(rows, 3)
+    x = torch.randn(3, runner.cfg.text.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+    rel_o, rel_s, _ = _torch_vs_fla(layer, x, batch, cache, [2, 0, 7])
     print(f"fla in-kernel gate decode vs torch: rel out {rel_o:.2e}, rel state {rel_s:.2e}")
     assert rel_o < 2e-2 and rel_s < 1e-2
 
@@ -105,13 +117,7 @@ def test_fla_in_kernel_gate_prefill_matches_torch(refs_and_ckpt):
     kernels with in-kernel l2 norm, gate (safe_gate) and β sigmoid vs the torch reference path (bf16)."""
     from glm5.model.batch import ForwardBatch, SeqChunk
     refs, ckpt = refs_and_ckpt
-    eng = engine(ckpt, device="cuda", dtype="bfloat16", max_model_len=512, enforce_eager=True)
-    runner = eng.runner
-    layer = next(lay.attn for lay in runner.model.layers if hasattr(lay.attn, "_core_fla"))
-    cache = runner.cache
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    for t in (cache.conv[layer.layer], cache.recurrent[layer.layer]):
-        t.copy_(0.1 * torch.randn(t.shape, device="cuda", generator=gen))
+    runner, layer, cache, gen = _kda_layer_and_cache(ckpt, seed=1)
     bt = torch.arange(4, device="cuda")
     for lens in ([300, 150], [5, 3]):
         seqs, start = [], 0
@@ -122,17 +128,7 @@ def test_fla_in_kernel_gate_prefill_matches_torch(refs_and_ckpt):
                              positions=torch.cat([torch.arange(s.context_len, s.total_len) for s in seqs]).cuda(),
                              seqs=seqs, logits_indices=torch.tensor([start - 1], device="cuda"))
         x = torch.randn(start, runner.cfg.text.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
-        saved = (cache.conv[layer.layer].clone(), cache.recurrent[layer.layer].clone())
-        results = {}
-        for kda in ("torch", "fla"):
-            cache.conv[layer.layer].copy_(saved[0])
-            cache.recurrent[layer.layer].copy_(saved[1])
-            backends.set_backends(kda=kda)
-            out = layer(x, batch, cache)
-            results[kda] = (out.float(), cache.recurrent[layer.layer][[3, 4]].float().clone(),
-                            cache.conv[layer.layer][[3, 4]].float().clone())
-        backends.set_backends(kda="auto")
-        rel = [((results["fla"][i] - results["torch"][i]).norm() / results["torch"][i].norm()).item() for i in range(3)]
+        rel = _torch_vs_fla(layer, x, batch, cache, [3, 4])
         print(f"fla in-kernel gate prefill {lens} vs torch: rel out {rel[0]:.2e}, state {rel[1]:.2e}, conv {rel[2]:.2e}")
         assert rel[0] < 2e-2 and rel[1] < 2e-2 and rel[2] == 0.0
 
