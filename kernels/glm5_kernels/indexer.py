@@ -255,12 +255,15 @@ def _select_slots_kernel(scores_ptr, nc_ptr, pos_ptr, bt_ptr, row_seq_ptr, out_p
         m = offs < nc
         u = _order_bits(tl.load(row + offs, mask=m, other=0.0))
         eq = (m & (u == thr)).to(tl.int32)
-        sel = m & (take_all | (u > thr) | ((eq != 0) & (tl.cumsum(eq, 0) - eq + n_eq < want)))
-        si = sel.to(tl.int32)
+        above = (u > thr) | ((eq != 0) & (tl.cumsum(eq, 0) - eq + n_eq < want))
+        si = (m & above).to(tl.int32) | (m.to(tl.int32) * take_all.to(tl.int32))
         at = tl.cumsum(si, 0) - si + n_out                                   # output pool index
         tok = offs[:, None] * KPOOL + kk[None, :]
-        blk = tl.load(bt_row + tl.minimum(tok // BS, MB - 1), mask=sel[:, None], other=0).to(tl.int64)
-        tl.store(out + at[:, None] * KPOOL + kk[None, :], (blk * BS + tok % BS).to(tl.int32), mask=sel[:, None])
+        # masks from comparisons: Triton 3.9's interpreter turns a bool block combined with a scalar bool
+        # into int32 and then rejects it as a load mask
+        sel = (si[:, None] != 0) & (kk[None, :] < KPOOL)
+        blk = tl.load(bt_row + tl.minimum(tok // BS, MB - 1), mask=sel, other=0).to(tl.int64)
+        tl.store(out + at[:, None] * KPOOL + kk[None, :], (blk * BS + tok % BS).to(tl.int32), mask=sel)
         n_out += tl.sum(si, 0)
         n_eq += tl.sum(eq, 0)
     first_tail = n_out * KPOOL                                               # == min(nc, n_select) * KPOOL
