@@ -1,7 +1,7 @@
-# What issue 7 still needs from the H200 (one call, ~9 min): the GPU per-layer bf16 diagnostic, the two
-# FlashInfer engine tests, and a bench run with transformers (batch 1, 8, 64 until one fails) in the same
-# process as the engine numbers, plus a profile of one 8K prefill. Carry .whl, .fi and .gpuref
-# (.gpuref/trained from `python bench/train_tiny.py .gpuref/trained`).
+# Session 3, H200 call 1 (written at the end of session 2): the GPU per-layer bf16 diagnostic, the two
+# FlashInfer engine tests, and a bench run with transformers in the same run plus a profile of one 8K
+# prefill. BENCH_ARGS / BENCH_TIMEOUT adjust the bench (call 1 used --quick --hf-batches 1 8 64).
+# Carry .whl, .fi and .gpuref (.gpuref/trained from `python bench/train_tiny.py .gpuref/trained`).
 source bench/device/setup.sh
 source bench/device/flashinfer_setup.sh
 export GLM5_TRAINED_CKPT=$PWD/.gpuref/trained GLM5_DIAG_OUT=$OUT
