@@ -293,6 +293,9 @@ def test_selection_with_fewer_pools_than_n_select_is_dense_causal_interpreter():
         scores = torch.randn(5, 4).masked_fill(torch.arange(4)[None, :] >= nc[:, None], float("-inf"))
         got = select_token_slots(scores, nc, pos, bt, rs, n_select, kp, bs)
         assert torch.equal(got, select_token_slots_ref(scores, nc, pos, bt, rs, n_select, kp, bs))
+        # strided per-row vectors (a column of a wider tensor) give the same result
+        wide = torch.stack([pos, torch.ones_like(pos)], 1)
+        assert torch.equal(select_token_slots(scores, nc, wide[:, 0], bt, rs, n_select, kp, bs), got)
         for i in range(5):
             want = {int(bt[rs[i], t // bs]) * bs + t % bs for t in range(int(pos[i]) + 1)}
             assert {int(v) for v in got[i] if v >= 0} == want and int((got[i] >= 0).sum()) == len(want)

@@ -290,7 +290,8 @@ def select_token_slots(scores: torch.Tensor, n_complete: torch.Tensor, positions
     :func:`select_token_slots_ref` entry for entry. Sync-free, one program per row, whose work follows the
     row's visible pools: ``torch.topk`` over the block-table width took 87 µs per layer at batch 1, ctx 1K.
     ``counts_out [N]`` int32 (optional) receives each row's valid entries (:func:`count_selected`), which
-    lets the attention kernel stop there."""
+    lets the attention kernel stop there. NaN scores (which a finite cache never produces) are not ordered
+    as ``torch.sort`` orders them."""
     n, max_pools = scores.shape
     width = n_select * kpool + kpool - 1
     if kpool & (kpool - 1) or block_size % kpool:
@@ -298,8 +299,13 @@ def select_token_slots(scores: torch.Tensor, n_complete: torch.Tensor, positions
     out = torch.empty(n, width, device=scores.device, dtype=torch.int32)
     if n == 0:
         return out
+    if counts_out is not None and (counts_out.shape != (n,) or counts_out.stride(0) != 1):
+        raise ValueError(f"counts_out must be a contiguous [{n}] int32 tensor, got {tuple(counts_out.shape)} "
+                         f"with stride {counts_out.stride()}")
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    # the kernel reads the per-row vectors with stride 1 (no copy when they already are, as in decode)
+    n_complete, positions, row_seq = (t.contiguous() for t in (n_complete, positions, row_seq))
     _select_slots_kernel[(n,)](
         scores, n_complete, positions, block_tables, row_seq, out, counts_out if counts_out is not None else out,
         max_pools, n_select, width,
