@@ -21,10 +21,10 @@ from glm5.model import backends
 @pytest.fixture
 def _clean_backends():
     backends.reset_backends()
-    backends.flashinfer_import_error.cache_clear()
+    backends.import_error.cache_clear()
     yield
     backends.reset_backends()
-    backends.flashinfer_import_error.cache_clear()
+    backends.import_error.cache_clear()
 
 
 def test_explicit_flashinfer_on_cpu_fails_fast(_clean_backends):

@@ -25,6 +25,7 @@ the slot pool in place); they are a few rows per request.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 
@@ -77,14 +78,19 @@ def _requested(name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-@functools.lru_cache(maxsize=1)
-def fla_import_error() -> str | None:
-    """``None`` if fla-core's KDA ops import, else the reason."""
+@functools.lru_cache(maxsize=None)
+def import_error(module: str) -> str | None:
+    """``None`` if ``module`` imports, else the reason (cached: each optional library is probed once)."""
     try:
-        import fla.ops.kda  # noqa: F401
+        importlib.import_module(module)
     except Exception as e:  # ImportError, or triton failing to find a driver
         return f"{type(e).__name__}: {e}"
     return None
+
+
+FLA_MODULE = "fla.ops.kda"                          # fla-core's KDA ops
+TRITON_MODULE = "glm5_kernels.sparse_mla_decode"    # Triton and our kernels
+FLASHINFER_MODULE = "flashinfer"                    # its kernels still JIT-compile on first use
 
 
 def kda_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
@@ -97,7 +103,7 @@ def kda_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
     if want == "torch":
         return "torch"
     on_cuda = device.type == "cuda"
-    err = fla_import_error() if on_cuda else "tensors are not on a CUDA device"
+    err = import_error(FLA_MODULE) if on_cuda else "tensors are not on a CUDA device"
     if want == "fla" and err is not None:
         raise BackendUnavailable(
             f"kda_backend='fla' cannot run: {err}. Install fla-core==0.6.0 (the 'gpu' extra) and run on CUDA, "
@@ -105,26 +111,6 @@ def kda_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
     if want == "auto" and dtype == torch.float32:
         return "torch"
     return "fla" if err is None else "torch"
-
-
-@functools.lru_cache(maxsize=1)
-def triton_import_error() -> str | None:
-    """``None`` if Triton and our kernels import, else the reason."""
-    try:
-        import glm5_kernels.sparse_mla_decode  # noqa: F401
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-@functools.lru_cache(maxsize=1)
-def flashinfer_import_error() -> str | None:
-    """``None`` if flashinfer-python imports (its kernels still JIT-compile on first use), else the reason."""
-    try:
-        import flashinfer  # noqa: F401
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -152,7 +138,7 @@ FLASHINFER_MLA_WIDTHS = (128, 256, 512)  # FA3 MLA's head_dim_ckv on SM90
 def _flashinfer_error(device: torch.device, dtype: torch.dtype | None, latent_width: int | None = None) -> str | None:
     if device.type != "cuda":
         return "tensors are not on a CUDA device"
-    err = flashinfer_import_error()
+    err = import_error(FLASHINFER_MODULE)
     if err is None and not _sm90_or_newer(device):
         err = f"GPU capability {torch.cuda.get_device_capability(device)} < (9, 0)"
     if err is None and dtype is not None and dtype not in (torch.bfloat16, torch.float16):
@@ -195,7 +181,7 @@ def _triton_or_torch(name: str, choices: tuple[str, ...], device: torch.device,
     want = _requested(name, choices)
     if want == "torch":
         return "torch"
-    err = triton_import_error() if device.type == "cuda" else "tensors are not on a CUDA device"
+    err = import_error(TRITON_MODULE) if device.type == "cuda" else "tensors are not on a CUDA device"
     if err is None and dtype is not None and dtype not in TRITON_DTYPES:
         err = f"dtype {dtype} (the Triton kernels take bf16 or fp32)"
     if want == "triton" and err is not None:
