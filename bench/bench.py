@@ -16,7 +16,8 @@ config (HF-initialised weights; its timing does not depend on weight values beyo
 process of the same run once the engine has released the GPU.
 
 Usage: ``python bench/bench.py --out DIR [--quick]``; writes ``DIR/results.json`` (+ a PNG plot if
-matplotlib imports). ``python bench/bench.py --render results.json`` writes ``bench/RESULTS.md``.
+matplotlib imports). ``python bench/bench.py --render results.json`` writes ``bench/RESULTS.md`` and draws
+``bench/decode.png`` from the JSON (the plot is not committed: any machine with the bench extra redraws it).
 """
 
 from __future__ import annotations
@@ -382,30 +383,6 @@ def run_hf_subprocess(args, log) -> dict:
     return json.loads(path.read_text())
 
 
-def plot(res: dict, path: Path) -> str | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as e:
-        return f"no plot: matplotlib unavailable ({e})"
-    fig, ax = plt.subplots(figsize=(7, 4))
-    bw = res["ceilings"]["copy_bw_Bps"]
-    for ctx in sorted({r["ctx"] for r in res["decode"]}):
-        rs = [r for r in res["decode"] if r["ctx"] == ctx and "error" not in r]
-        ax.plot([r["batch"] for r in rs], [r["tok_s"] for r in rs], "o-", label=f"engine ctx {ctx}")
-        ax.plot([r["batch"] for r in rs], [r["batch"] * bw / r["bytes"]["total"] for r in rs], "--",
-                label=f"roofline ctx {ctx}")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("batch")
-    ax.set_ylabel("decode tok/s")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return None
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path)
@@ -504,7 +481,8 @@ def main() -> int:
             res["hf"] = {"error": f"{type(e).__name__}: {str(e)[:500]}", "trace": traceback.format_exc()[-1500:]}
             log(res["hf"])
     try:
-        res["plot_note"] = plot(res, args.out / "decode.png")
+        from render_results import plot_decode
+        res["plot_note"] = plot_decode(res, args.out / "decode.png")
     except Exception as e:  # e.g. no decode row ran: keep the rest of the results
         res["plot_note"] = f"no plot: {type(e).__name__}: {e}"
     (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))

@@ -1,7 +1,8 @@
 """Render ``bench/results.json`` (from ``bench/bench.py``) as the tables of ``bench/RESULTS.md``.
 
 ``finalize(res)`` adds the derived per-row fields the issue asks for (``step_ms``, ``roofline_fraction``,
-``peak_fraction``, the bench config) so the JSON is self-describing; ``render`` writes the markdown tables.
+``peak_fraction``, the bench config) so the JSON is self-describing; ``render`` writes the markdown tables and
+``plot_decode`` draws ``bench/decode.png`` (generated, not committed).
 Analysis text (targets, profile evidence) is kept in ``bench/RESULTS_NOTES.md`` and appended verbatim.
 
 Usage: ``python bench/render_results.py results.json [--hf other_run.json] [--flashinfer other_run.json]``
@@ -39,41 +40,46 @@ def finalize(res: dict) -> dict:
     return res
 
 
-def decode_table(rows: list[dict]) -> list[str]:
-    out = ["| batch | ctx | step ms (graph) | step ms (eager) | tok/s | experts / MoE layer | GB/step | roofline ms "
-           "| % of roofline |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+def _table(head: list[str], align: str, rows: list[dict], cells, lead) -> list[str]:
+    """Markdown table: ``cells(r)`` per row; a row holding ``error`` shows ``lead(r)`` then the error."""
+    out = ["| " + " | ".join(head) + " |", align]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r.get('batch')} | {r.get('ctx')} | error: {r['error'][:80]} | | | | | | |")
-            continue
-        touched = sum(r["experts_touched"]) / max(len(r["experts_touched"]), 1)
-        out.append(f"| {r['batch']} | {r['ctx']} | {r['step_ms']:.2f} | {r['eager_step_s'] * 1e3:.1f} | "
-                   f"{r['tok_s']:.0f} | {touched:.0f} | {r['bytes']['total'] / 1e9:.2f} | {r['roofline_ms']:.2f} | "
-                   f"{100 * r['roofline_fraction']:.1f}% |")
+            row = [*lead(r), f"error: {r['error'][:80]}"]
+            row += [""] * (len(head) - len(row))
+        else:
+            row = cells(r)
+        out.append("| " + " | ".join(row) + " |")
     return out
+
+
+def _decode_cells(r: dict) -> list[str]:
+    touched = sum(r["experts_touched"]) / max(len(r["experts_touched"]), 1)
+    return [str(r["batch"]), str(r["ctx"]), f"{r['step_ms']:.2f}", f"{r['eager_step_s'] * 1e3:.1f}",
+            f"{r['tok_s']:.0f}", f"{touched:.0f}", f"{r['bytes']['total'] / 1e9:.2f}", f"{r['roofline_ms']:.2f}",
+            f"{100 * r['roofline_fraction']:.1f}%"]
+
+
+def decode_table(rows: list[dict]) -> list[str]:
+    return _table(["batch", "ctx", "step ms (graph)", "step ms (eager)", "tok/s", "experts / MoE layer", "GB/step",
+                   "roofline ms", "% of roofline"], "|---:|---:|---:|---:|---:|---:|---:|---:|---:|", rows,
+                  _decode_cells, lambda r: [str(r.get("batch")), str(r.get("ctx"))])
 
 
 def prefill_table(res: dict) -> list[str]:
-    out = ["| tokens | chunk | time s | tok/s | model TFLOP | TFLOP/s | % of matmul peak |",
-           "|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in res["prefill"]:
-        if "error" in r:
-            out.append(f"| {r['tokens']} | error: {r['error'][:80]} | | | | | |")
-            continue
-        out.append(f"| {r['tokens']} | {r['chunk']} | {r['time_s']:.3f} | {r['tok_s']:.0f} | {r['flops'] / 1e12:.1f} | "
-                   f"{r['tflops']:.1f} | {100 * r['peak_fraction']:.1f}% |")
-    return out
+    return _table(["tokens", "chunk", "time s", "tok/s", "model TFLOP", "TFLOP/s", "% of matmul peak"],
+                  "|---:|---:|---:|---:|---:|---:|---:|", res["prefill"],
+                  lambda r: [str(r["tokens"]), str(r["chunk"]), f"{r['time_s']:.3f}", f"{r['tok_s']:.0f}",
+                             f"{r['flops'] / 1e12:.1f}", f"{r['tflops']:.1f}", f"{100 * r['peak_fraction']:.1f}%"],
+                  lambda r: [str(r["tokens"])])
 
 
 def backend_table(rows: list[dict]) -> list[str]:
-    out = ["| decode attention | batch | ctx | step ms (graph) | tok/s | step ms (eager) |", "|---|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        if "error" in r:
-            out.append(f"| {r.get('decode_attn')} | error: {r['error'][:80]} | | | | |")
-            continue
-        out.append(f"| {r['decode_attn']} | {r['batch']} | {r['ctx']} | {r['step_ms']:.2f} | {r['tok_s']:.0f} | "
-                   f"{r['eager_step_s'] * 1e3:.1f} |")
-    return out
+    return _table(["decode attention", "batch", "ctx", "step ms (graph)", "tok/s", "step ms (eager)"],
+                  "|---|---:|---:|---:|---:|---:|", rows,
+                  lambda r: [r["decode_attn"], str(r["batch"]), str(r["ctx"]), f"{r['step_ms']:.2f}",
+                             f"{r['tok_s']:.0f}", f"{r['eager_step_s'] * 1e3:.1f}"],
+                  lambda r: [str(r.get("decode_attn"))])
 
 
 def mla_kernel_table(k: dict) -> list[str]:
@@ -105,7 +111,8 @@ def render(res: dict, path: Path) -> None:
         *decode_table(res["decode"]), "",
         "Roofline = bytes the step must move (non-routed weights incl. LM head, the routed experts this "
         "step's routing touched, fp32 KDA state read+write, selected latent rows, pooled index keys "
-        "scanned) / measured copy bandwidth. Plot: `bench/decode.png` (engine vs roofline tok/s).", "",
+        "scanned) / measured copy bandwidth. Plot: `bench/decode.png` (engine vs roofline tok/s), drawn from "
+        "`bench/results.json` by `python bench/render_results.py bench/results.json` (needs matplotlib).", "",
         "## Prefill (one request, chunked by 4096 tokens)", "",
         *prefill_table(res), "",
     ]
@@ -144,6 +151,33 @@ def render(res: dict, path: Path) -> None:
     path.write_text("\n".join(lines))
 
 
+def plot_decode(res: dict, path: Path) -> str | None:
+    """Engine vs roofline decode tok/s per batch and context, log-log, from a results dict; ``None`` when
+    drawn, else why not (matplotlib is the ``bench`` extra)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        return f"no plot: matplotlib unavailable ({e})"
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bw = res["ceilings"]["copy_bw_Bps"]
+    for ctx in sorted({r["ctx"] for r in res["decode"]}):
+        rs = [r for r in res["decode"] if r["ctx"] == ctx and "error" not in r]
+        ax.plot([r["batch"] for r in rs], [r["tok_s"] for r in rs], "o-", label=f"engine ctx {ctx}")
+        ax.plot([r["batch"] for r in rs], [r["batch"] * bw / r["bytes"]["total"] for r in rs], "--",
+                label=f"roofline ctx {ctx}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("batch")
+    ax.set_ylabel("decode tok/s")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("results", type=Path)
@@ -151,6 +185,7 @@ def main() -> int:
     ap.add_argument("--flashinfer", type=Path, help="take the per-backend decode rows from this results.json")
     ap.add_argument("--mla-kernels", type=Path, help="bench/flashinfer_bench.py output to include")
     ap.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
+    ap.add_argument("--plot", type=Path, default=HERE / "decode.png", help="where to draw the decode plot")
     args = ap.parse_args()
     res = json.loads(args.results.read_text())
     for flag, key, label in ((args.hf, "hf", "hf_run"), (args.flashinfer, "decode_flashinfer", "decode_flashinfer_run")):
@@ -162,6 +197,9 @@ def main() -> int:
         res["mla_kernels"] = json.loads(args.mla_kernels.read_text())
     res = finalize(res)
     render(res, args.out)
+    note = plot_decode(res, args.plot)
+    if note:
+        print(note, file=sys.stderr)
     args.results.write_text(json.dumps(res, indent=1, default=str))
     return 0
 
