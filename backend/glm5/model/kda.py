@@ -188,22 +188,22 @@ class KDALayer:
                                         groups=seq_in.shape[1])[0].t())
         return out
 
-    def _conv_fla(self, mixed: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor) -> torch.Tensor:
+    def _conv_fla(self, mixed: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor, cu: torch.Tensor,
+                  slots: torch.Tensor) -> torch.Tensor:
         """:meth:`_conv` through fla's varlen Triton causal conv (SiLU fused, fp32 accumulation): cuDNN's
         depthwise conv1d took ~1 ms per layer for a 4K chunk. fla reads each request's history from an
         ``[N, 3D, K]`` initial state whose last ``K-1`` columns are the cached inputs, oldest first;
-        the cached states are then updated exactly as :meth:`_conv` does."""
+        the cached states are then updated exactly as :meth:`_conv` does. ``cu``: the requests' cumulative
+        row offsets, ``slots``: their state slots (device tensors the caller also hands to the KDA kernels)."""
         if len(batch.seqs) == mixed.shape[0] and all(s.num_tokens == 1 for s in batch.seqs):
             return self._conv(mixed, batch, conv_state)
         from fla.modules.causal_conv1d import causal_conv1d
 
         kconv = self.conv_w.shape[-1]
         dev = mixed.device
-        slots = torch.tensor([s.state_slot for s in batch.seqs], device=dev)
         history = conv_state.index_select(0, slots).to(mixed.dtype)                        # [N, K-1, 3D]
         init = torch.zeros(len(batch.seqs), mixed.shape[1], kconv, device=dev, dtype=mixed.dtype)
         init[:, :, 1:] = history.transpose(1, 2)
-        cu = torch.tensor([0] + [s.num_tokens for s in batch.seqs], device=dev).cumsum(0)
         out, _ = causal_conv1d(mixed.unsqueeze(0), weight=self.conv_w.to(mixed.dtype), initial_state=init,
                                activation="silu", cu_seqlens=cu)
         for i, s in enumerate(batch.seqs):
@@ -290,24 +290,23 @@ class KDALayer:
         from fla.ops.kda import chunk_kda
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
-        conv = self._conv_fla(mixed, batch, conv_state)
         n_tok, dev = mixed.shape[0], mixed.device
+        lens = [s.num_tokens for s in batch.seqs]
+        cu = torch.tensor([0] + lens, device=dev).cumsum(0)
+        slot_t = torch.tensor([s.state_slot for s in batch.seqs], device=dev)
+        conv = self._conv_fla(mixed, batch, conv_state, cu, slot_t)
         q, k, v = (t.contiguous().unsqueeze(0) for t in conv.view(n_tok, 3, self.heads, self.head_dim).unbind(1))
         f4 = f.view(1, n_tok, self.heads, self.head_dim)
         b3 = b.contiguous().unsqueeze(0)
-        lens = [s.num_tokens for s in batch.seqs]
-        cu = torch.tensor([0] + lens, device=dev).cumsum(0)
-        slots = [s.state_slot for s in batch.seqs]
         lower = self.cfg.linear_lower_bound
         gate = dict(A_log=self.a_log_flat, dt_bias=self.dt_bias_flat, lower_bound=lower, scale=self.head_dim ** -0.5,
                     use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
         if max(lens) <= RECURRENT_MAX_TOKENS:
             # every step of a request writes its (single) slot: [N, T_max] indices all equal to the slot
-            idx = torch.tensor(slots, device=dev, dtype=torch.int32).unsqueeze(1).expand(-1, max(lens)).contiguous()
+            idx = slot_t.to(torch.int32).unsqueeze(1).expand(-1, max(lens)).contiguous()
             out, _ = fused_recurrent_kda_fwd(q, k, v, f4, b3, initial_state=rec_state, inplace_final_state=True,
                                              cu_seqlens=cu, ssm_state_indices=idx, out=torch.empty_like(v), **gate)
         else:
-            slot_t = torch.tensor(slots, device=dev)
             safe = lower is not None and -5.0 <= lower < 0.0
             out, final = chunk_kda(q, k, v, f4.contiguous(), b3, initial_state=rec_state[slot_t].contiguous(),
                                    output_final_state=True, cu_seqlens=cu, safe_gate=safe, **gate)
