@@ -86,7 +86,7 @@ class Setup:
     def __init__(self, max_batch: int, max_ctx: int):
         from glm5.cache.hybrid_cache import CacheConfig, HybridCache
         from glm5.config import ModelConfig
-        from glm5.model.glm5 import Glm5ForCausalLM
+        from glm5.layers.glm5 import Glm5ForCausalLM
         from glm5.weights import dummy_weights
 
         self.cfg = ModelConfig.from_dict(bench_config_dict())
@@ -112,7 +112,7 @@ class Setup:
         self.nonrouted_bytes = sum(w.numel() * w.element_size() for n, w in self.weights.items()
                                    if n not in self.routed and n != "embed_tokens.weight")
         self.touched: list[int] = []
-        from glm5.model import moe as moe_mod
+        from glm5.layers import moe as moe_mod
         orig = moe_mod.route
 
         self.recording = True
@@ -219,7 +219,7 @@ def run_decode(s: "Setup", batches, ctxs, reps: int, log, graphs: bool = True) -
 
 def run_decode_flashinfer(s: "Setup", batches, ctxs, log) -> list[dict]:
     """End-to-end decode (CUDA graphs) with each sparse-MLA decode backend, same weights and cache."""
-    from glm5.model import backends
+    from glm5.layers import backends
     out = []
     for backend in ("triton", "flashinfer"):
         try:
@@ -270,7 +270,7 @@ def kernel_profile(s: "Setup", fn, path: Path, rows: int = 30) -> dict:
 
 def prefill_once(s: Setup, n: int, chunk: int, slot: int = 0) -> None:
     """One ``n``-token prompt (random ids) prefilled from an empty state slot in ``chunk``-token chunks."""
-    from glm5.model.batch import ForwardBatch, SeqChunk
+    from glm5.layers.batch import ForwardBatch, SeqChunk
     bt = torch.arange(0, s.blocks_per_req, device="cuda")
     s.cache.reset_slot(slot)
     for lo in range(0, n, chunk):
@@ -421,7 +421,7 @@ def main() -> int:
         logf.write(line + "\n")
         logf.flush()
 
-    from glm5.model import backends
+    from glm5.layers import backends
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
            "backends": {name: fn(torch.device("cuda")) for name, fn in (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm5.model.batch import ForwardBatch, SeqChunk
+from glm5.layers.batch import ForwardBatch, SeqChunk
 from oracle import engine, engine_greedy, hf_greedy, make_pair, random_prompt
 
 N_NEW = 64

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from glm5.model import backends
+from glm5.layers import backends
 
 
 # ------------------------------------------------------------------------------------------ CPU tests

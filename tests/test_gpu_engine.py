@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from glm5.model import backends
+from glm5.layers import backends
 from oracle import engine, engine_greedy
 
 pytestmark = pytest.mark.gpu
@@ -115,7 +115,7 @@ def test_fla_in_kernel_gate_decode_matches_torch_step(refs_and_ckpt):
 def test_fla_in_kernel_gate_prefill_matches_torch(refs_and_ckpt):
     """KDA prefill (two requests, one resuming from a cached state, one ≤ 8 rows): fla's chunk / recurrent
     kernels with in-kernel l2 norm, gate (safe_gate) and β sigmoid vs the torch reference path (bf16)."""
-    from glm5.model.batch import ForwardBatch, SeqChunk
+    from glm5.layers.batch import ForwardBatch, SeqChunk
     refs, ckpt = refs_and_ckpt
     runner, layer, cache, gen = _kda_layer_and_cache(ckpt, seed=1)
     bt = torch.arange(4, device="cuda")
@@ -140,8 +140,8 @@ def test_fla_kda_matches_torch_reference(n_tok, dtype):
     from fla.ops.kda import chunk_kda
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
-    from glm5.model.kda import kda_gate, kda_recurrent
-    from glm5.model.norms import l2_normalize
+    from glm5.layers.kda import kda_gate, kda_recurrent
+    from glm5.layers.norms import l2_normalize
 
     gen = torch.Generator().manual_seed(n_tok)
     heads, d, lens, slots = 64, 128, [n_tok, max(1, n_tok // 2)], [5, 2]

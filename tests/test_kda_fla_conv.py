@@ -15,7 +15,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from glm5.model.batch import ForwardBatch, SeqChunk
+from glm5.layers.batch import ForwardBatch, SeqChunk
 from oracle import engine
 
 

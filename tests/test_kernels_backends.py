@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm5.model import backends
+from glm5.layers import backends
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +44,7 @@ def test_override_beats_env_and_bad_names_are_rejected(monkeypatch):
 def test_triton_kernel_backends_follow_dtype():
     """The index / MoE / mHC kernels take bf16 and fp32: auto keeps fp16 on the torch path (no CUDA call is
     made for a device that only has to be named), an explicit triton choice fails fast naming the dtype."""
-    from glm5.model import backends
+    from glm5.layers import backends
     cuda = torch.device("cuda")
     try:
         for fn in (backends.index_backend, backends.moe_backend, backends.mhc_backend):

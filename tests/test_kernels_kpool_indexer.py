@@ -35,7 +35,7 @@ import torch
 from glm5_kernels.kpool import kpool_compress_write, kpool_compress_write_ref, kpool_decode_append, kpool_decode_append_ref
 from glm5_kernels.indexer import (indexer_scores, indexer_scores_ref, select_token_slots, select_token_slots_ref,
                                   count_selected)
-from glm5.model.fp8_index import encode_keys
+from glm5.layers.fp8_index import encode_keys
 torch.set_num_threads(1)
 
 def bits(t):
@@ -174,8 +174,8 @@ def test_decode_chain_matches_kpool_indexer_visibility_interpreter():
         import torch.nn.functional as F
         from glm5.cache.hybrid_cache import CacheConfig, HybridCache
         from glm5.config import TextConfig
-        from glm5.model.batch import SeqChunk
-        from glm5.model.indexer import KPoolIndexer
+        from glm5.layers.batch import SeqChunk
+        from glm5.layers.indexer import KPoolIndexer
 
         def run(dtype, kp, bs, n_select, seed):
             g = torch.Generator().manual_seed(seed)
@@ -307,7 +307,7 @@ def test_selection_with_fewer_pools_than_n_select_is_dense_causal_interpreter():
 
 def test_pool_members_ref_is_the_indexer_pooling():
     from glm5.config import TextConfig
-    from glm5.model.indexer import KPoolIndexer
+    from glm5.layers.indexer import KPoolIndexer
     from glm5_kernels.kpool import pool_members_ref
 
     g = torch.Generator().manual_seed(4)
@@ -426,7 +426,7 @@ def test_selection_matches_torch_path_at_real_shape_gpu(n):
 @pytest.mark.gpu
 def test_fp8_selection_overlap_at_real_shape_gpu():
     """fp8 mode: Triton scores match fp8_index_scores (1e-5), and its selection overlaps exact mode's ≥ 95%."""
-    from glm5.model.fp8_index import encode_keys
+    from glm5.layers.fp8_index import encode_keys
     from glm5_kernels.indexer import indexer_scores, indexer_scores_ref, select_token_slots, select_token_slots_ref
 
     c = _real_layout(64, 8192, seed=7)
@@ -465,7 +465,7 @@ def test_decode_chain_cuda_graph_replay_gpu(fp8):
     keys = torch.randn(num_blocks * ppb, d, generator=g).to(dev, torch.bfloat16)
     scales = None
     if fp8:
-        from glm5.model.fp8_index import encode_keys
+        from glm5.layers.fp8_index import encode_keys
         keys, scales = encode_keys(keys)
     tail = torch.randn(slots, kp, 2 * d, generator=g).to(dev, torch.bfloat16)
     ape = torch.randn(kp, d, generator=g).to(dev)

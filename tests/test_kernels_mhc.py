@@ -1,4 +1,4 @@
-"""Fused mHC pre/post Triton kernels vs ``HyperConnection`` (glm5.model.mhc) and ``norms.rms_norm``.
+"""Fused mHC pre/post Triton kernels vs ``HyperConnection`` (glm5.layers.mhc) and ``norms.rms_norm``.
 
 The interpreter test runs the kernels on CPU under ``TRITON_INTERPRET=1`` at small fp32 shapes (the
 interpreter truncates fp32→bf16 casts instead of rounding to nearest even, so bf16 is checked on the

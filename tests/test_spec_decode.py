@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from glm5.engine.spec_decode import greedy_verify, rejection_sample
-from glm5.model.batch import ForwardBatch, SeqChunk
+from glm5.layers.batch import ForwardBatch, SeqChunk
 from glm5.sampling_params import SamplingParams
 from oracle import engine, greedy, make_pair, random_prompt
 

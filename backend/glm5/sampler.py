@@ -396,7 +396,7 @@ class Sampler:
         keep the torch path: FlashInfer's random stream depends on the row's batch position)."""
         if not sampled or device.type != "cuda":
             return []
-        from glm5.model.backends import sampling_backend
+        from glm5.layers.backends import sampling_backend
         if sampling_backend(device) != "flashinfer":
             return []
         return [i for i in sampled if generators is None or generators[i] is None]

@@ -7,7 +7,7 @@ Per query row ``n`` (its request's block-table row ``row_seq[n]``, ``n_complete[
   score[n, p] = -inf                                                 p ≥ n_complete[n]
 
 then the top ``n_select`` pools by (score desc, pool id asc) — the set ``torch.sort(stable=True)`` picks in
-:meth:`glm5.model.indexer.KPoolIndexer.visible`, exact ties included — expanded to the latent rows of their
+:meth:`glm5.layers.indexer.KPoolIndexer.visible`, exact ties included — expanded to the latent rows of their
 tokens, plus the query's own incomplete pool (tokens ``n_complete*kpool .. pos``); ``-1`` pads the rest.
 
 Everything is sync-free with shapes fixed by the arguments (``max_pools`` is a Python int), so a decode step
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from glm5.model.fp8_index import fp8_index_scores, quantize_e4m3
+from glm5.layers.fp8_index import fp8_index_scores, quantize_e4m3
 from glm5_kernels.kpool import hadamard_matrix, interpreting
 
 
@@ -329,7 +329,7 @@ def bench_indexer(n: int = 64, pools: int = 8192, heads: int = 32, d: int = 128,
     keys = torch.randn(num_blocks * ppb, d, generator=g).to(dev, torch.bfloat16)
     scales = None
     if fp8:
-        from glm5.model.fp8_index import encode_keys
+        from glm5.layers.fp8_index import encode_keys
         keys, scales = encode_keys(keys)
     bt = torch.stack([torch.randperm(num_blocks, generator=g)[:mb] for _ in range(n)]).to(dev, torch.int32)
     row_seq = torch.arange(n, device=dev, dtype=torch.int32)

@@ -1,9 +1,9 @@
 """Writing pooled index keys of the kpool indexer (decode append and prefill compress), with torch references.
 
 A pool is ``kpool`` consecutive tokens; its key is the per-channel softmax(gate + ape)-weighted sum of the
-members' index keys (:meth:`glm5.model.indexer.KPoolIndexer.pool`), stored once in ``pool_keys`` in the model
+members' index keys (:meth:`glm5.layers.indexer.KPoolIndexer.pool`), stored once in ``pool_keys`` in the model
 dtype (exact mode) or Hadamard-rotated e4m3 with a power-of-two scale (fp8 mode,
-:func:`glm5.model.fp8_index.encode_keys`). Layouts are those of :class:`glm5.cache.hybrid_cache.HybridCache`:
+:func:`glm5.layers.fp8_index.encode_keys`). Layouts are those of :class:`glm5.cache.hybrid_cache.HybridCache`:
 ``tail [num_slots, kpool, 2d]`` holds the raw ``key | gate`` rows of each request's pool in progress, and pool
 ``p`` of a request with block-table row ``bt`` lives at row ``bt[p*kpool // bs] * (bs/kpool) + (p*kpool % bs)/kpool``.
 
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from glm5.model.fp8_index import E4M3_MAX, MIN_ABSMAX, encode_keys, hadamard_rotate
+from glm5.layers.fp8_index import E4M3_MAX, MIN_ABSMAX, encode_keys, hadamard_rotate
 
 _E4M3 = tl.constexpr(E4M3_MAX)
 _MIN_ABSMAX = tl.constexpr(MIN_ABSMAX)
@@ -55,7 +55,7 @@ def hadamard_matrix(d: int, device: torch.device) -> torch.Tensor:
 def pool_members_ref(members: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
     """members ``[P, kpool, 2d]`` (key | gate) → pooled keys ``[P, d]`` in the members' dtype.
 
-    The math of :meth:`glm5.model.indexer.KPoolIndexer.pool`: softmax over the members per channel in fp32,
+    The math of :meth:`glm5.layers.indexer.KPoolIndexer.pool`: softmax over the members per channel in fp32,
     probabilities cast to the key dtype, ``(probs * k).sum`` in the key dtype."""
     d = members.shape[-1] // 2
     k, g = members.split(d, dim=-1)

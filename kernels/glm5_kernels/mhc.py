@@ -1,6 +1,6 @@
 """Fused mHC (manifold-constrained hyper-connection) pre/post kernels, beside thin torch references.
 
-The torch path of :class:`glm5.model.mhc.HyperConnection` costs ~150 tiny launches per block site
+The torch path of :class:`glm5.layers.mhc.HyperConnection` costs ~150 tiny launches per block site
 (the 20-iteration Sinkhorn alone is 6 ops per iteration), which dominates small-batch decode. Here:
 
 * :func:`mhc_pre` = 2 launches. ``_mhc_proj_kernel`` is a split-K projection of the *un-normalised*
@@ -45,8 +45,8 @@ def mhc_pre_ref(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
     """Reference for :func:`mhc_pre`: ``HyperConnection.pre`` (+ ``rms_norm`` when a weight is given)."""
     from types import SimpleNamespace
 
-    from glm5.model.mhc import HyperConnection
-    from glm5.model.norms import rms_norm
+    from glm5.layers.mhc import HyperConnection
+    from glm5.layers.norms import rms_norm
 
     cfg = SimpleNamespace(hc_mult=n, hc_eps=eps, rms_norm_eps=norm_eps, hc_sinkhorn_iters=iters)
     hc = HyperConnection({"p_fn": fn, "p_base": base, "p_scale": scale}, "p", cfg)  # type: ignore[arg-type]
@@ -59,7 +59,7 @@ def mhc_pre_ref(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
 def mhc_post_ref(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
                  comb: torch.Tensor) -> torch.Tensor:
     """Reference for :func:`mhc_post`: ``HyperConnection.post``."""
-    from glm5.model.mhc import HyperConnection, HyperMix
+    from glm5.layers.mhc import HyperConnection, HyperMix
 
     return HyperConnection.post(block_out, streams, HyperMix(post=post, comb=comb))
 

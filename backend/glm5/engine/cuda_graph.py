@@ -1,7 +1,7 @@
 """Decode steps without per-step host work: pinned input staging and CUDA-graph replay.
 
 A decode step of a small batch is bound by kernel launches (several thousand per step on the real
-layer shapes), not by the GPU. The batched decode path (:class:`~glm5.model.batch.DecodeMeta`) has
+layer shapes), not by the GPU. The batched decode path (:class:`~glm5.layers.batch.DecodeMeta`) has
 no per-request loop and no host sync, so the whole forward — embeddings to logits — can be captured
 once per batch-size bucket and replayed: one launch per step.
 
@@ -29,8 +29,8 @@ import torch
 
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import TextConfig
-from glm5.model.batch import DecodeMeta, ForwardBatch
-from glm5.model.glm5 import Glm5ForCausalLM, ModelOutput
+from glm5.layers.batch import DecodeMeta, ForwardBatch
+from glm5.layers.glm5 import Glm5ForCausalLM, ModelOutput
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class DecodeAttentionPlanner:
         self.wrapper = None  # FlashInferSparseMLA, made on first use
 
     def __call__(self, batch: ForwardBatch) -> None:
-        from glm5.model.backends import decode_attn_backend
+        from glm5.layers.backends import decode_attn_backend
         if decode_attn_backend(self.device, self.dtype, self.cfg.kv_lora_rank) != "flashinfer":
             return
         from glm5_kernels.flashinfer_mla import FlashInferSparseMLA

@@ -103,7 +103,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ setup helpers
     def _log_backends(self) -> None:
-        from glm5.model import backends as b
+        from glm5.layers import backends as b
         dev = self.device
         logger.info("backends on %s %s: kda=%s prefill_attn=%s decode_attn=%s index=%s moe=%s mhc=%s sampling=%s "
                     "decode_path=%s", dev, self.dtype, b.kda_backend(dev, self.dtype), b.attn_backend(dev),

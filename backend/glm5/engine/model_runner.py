@@ -19,10 +19,10 @@ from glm5.config import ModelConfig
 from glm5.engine.cuda_graph import DecodeAttentionPlanner, DecodeGraphRunner, DecodeRows, DecodeStager, graph_buckets
 from glm5.engine.scheduler import SchedulerOutput
 from glm5.engine.sequence import MultiModalData, Sequence
-from glm5.model.batch import ForwardBatch, SeqChunk
-from glm5.model.glm5 import Glm5ForCausalLM, ModelOutput
-from glm5.model.mtp import MissingMTPWeights, MTPLayer
-from glm5.model.vision import flatten_video_grid
+from glm5.layers.batch import ForwardBatch, SeqChunk
+from glm5.layers.glm5 import Glm5ForCausalLM, ModelOutput
+from glm5.layers.mtp import MissingMTPWeights, MTPLayer
+from glm5.layers.vision import flatten_video_grid
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ DECODE_PATHS = ("auto", "batched", "per_request")
 
 class ModelRunner:
     """``decode_path``: ``batched`` runs pure decode steps (one token per request, no drafts) through
-    the batch-wide, sync-free path (:class:`~glm5.model.batch.DecodeMeta`), ``per_request`` through the
+    the batch-wide, sync-free path (:class:`~glm5.layers.batch.DecodeMeta`), ``per_request`` through the
     reference per-request loops; ``auto`` is batched on CUDA, per-request on CPU (the oracle tests'
     rounding). ``max_model_len`` sizes the decode block-table buffers."""
 
@@ -220,7 +220,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ batched decode / CUDA graphs
     def capture_cuda_graphs(self, max_batch: int | None = None) -> str | None:
         """Capture decode graphs; returns ``None`` on success or the reason graphs stay off."""
-        from glm5.model.backends import index_backend, moe_backend
+        from glm5.layers.backends import index_backend, moe_backend
         reason = None
         if self.device.type != "cuda":
             reason = "not on a CUDA device"

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from glm5.config import TextConfig
-from glm5.model.norms import unweighted_rms_norm
+from glm5.layers.norms import unweighted_rms_norm
 
 
 @dataclass

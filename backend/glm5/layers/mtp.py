@@ -19,11 +19,11 @@ import torch.nn.functional as F
 
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import ModelConfig
-from glm5.model.batch import ForwardBatch
-from glm5.model.mla import MLALayer
-from glm5.model.mlp import DenseMLP
-from glm5.model.moe import MoE
-from glm5.model.norms import rms_norm
+from glm5.layers.batch import ForwardBatch
+from glm5.layers.mla import MLALayer
+from glm5.layers.mlp import DenseMLP
+from glm5.layers.moe import MoE
+from glm5.layers.norms import rms_norm
 
 
 class MissingMTPWeights(ValueError):

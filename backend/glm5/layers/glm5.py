@@ -11,15 +11,15 @@ import torch.nn.functional as F
 
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import ModelConfig
-from glm5.model.backends import mhc_backend
-from glm5.model.batch import ForwardBatch
-from glm5.model.kda import KDALayer
-from glm5.model.mhc import HyperConnection
-from glm5.model.mla import MLALayer
-from glm5.model.mlp import DenseMLP
-from glm5.model.moe import MoE
-from glm5.model.norms import rms_norm
-from glm5.model.vision import VisionTower
+from glm5.layers.backends import mhc_backend
+from glm5.layers.batch import ForwardBatch
+from glm5.layers.kda import KDALayer
+from glm5.layers.mhc import HyperConnection
+from glm5.layers.mla import MLALayer
+from glm5.layers.mlp import DenseMLP
+from glm5.layers.moe import MoE
+from glm5.layers.norms import rms_norm
+from glm5.layers.vision import VisionTower
 
 
 class DecoderLayer:

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from glm5.config import VisionConfig
-from glm5.model.mlp import swiglu_mlp
-from glm5.model.norms import rms_norm
+from glm5.layers.mlp import swiglu_mlp
+from glm5.layers.norms import rms_norm
 
 ROPE_THETA = 10000.0
 

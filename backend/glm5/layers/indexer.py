@@ -22,10 +22,10 @@ import torch.nn.functional as F
 
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import TextConfig
-from glm5.model.backends import index_backend
-from glm5.model.batch import DecodeMeta, SeqChunk
-from glm5.model.fp8_index import encode_keys, fp8_index_scores
-from glm5.model.norms import layer_norm
+from glm5.layers.backends import index_backend
+from glm5.layers.batch import DecodeMeta, SeqChunk
+from glm5.layers.fp8_index import encode_keys, fp8_index_scores
+from glm5.layers.norms import layer_norm
 
 
 @dataclass

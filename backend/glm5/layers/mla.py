@@ -14,10 +14,10 @@ import torch.nn.functional as F
 
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import TextConfig
-from glm5.model.backends import attn_backend, decode_attn_backend
-from glm5.model.batch import ForwardBatch
-from glm5.model.indexer import KPoolIndexer
-from glm5.model.norms import rms_norm
+from glm5.layers.backends import attn_backend, decode_attn_backend
+from glm5.layers.batch import ForwardBatch
+from glm5.layers.indexer import KPoolIndexer
+from glm5.layers.norms import rms_norm
 
 ABSORB_MAX_TOKENS = 8
 

@@ -2,7 +2,7 @@
 
 The choices (each set by ``GLM5_<NAME>_BACKEND`` or :func:`set_backends`):
 
-* ``kda``: ``torch`` (the reference recurrence / chunked WY form in :mod:`glm5.model.kda`, runs
+* ``kda``: ``torch`` (the reference recurrence / chunked WY form in :mod:`glm5.layers.kda`, runs
   anywhere) or ``fla`` (fla-core's Triton ``chunk_kda`` / ``fused_recurrent_kda`` with the gate, l2
   norms and β sigmoid computed in the kernels, and its ``causal_conv1d`` for prefill; CUDA only).
 * ``attn``: ``torch`` (explicit einsum attention, the CPU reference) or ``sdpa`` (PyTorch's fused

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from glm5.config import TextConfig
-from glm5.model.backends import moe_backend
-from glm5.model.mlp import clamped_swiglu, swiglu_mlp
+from glm5.layers.backends import moe_backend
+from glm5.layers.mlp import clamped_swiglu, swiglu_mlp
 
 
 @dataclass

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import TextConfig
-from glm5.model.backends import kda_backend
-from glm5.model.batch import ForwardBatch
-from glm5.model.norms import gated_rms_norm, l2_normalize
+from glm5.layers.backends import kda_backend
+from glm5.layers.batch import ForwardBatch
+from glm5.layers.norms import gated_rms_norm, l2_normalize
 
 CHUNK_SIZE = 64
 RECURRENT_MAX_TOKENS = 8  # decode and speculative verification rows use the plain recurrence
