@@ -25,7 +25,8 @@ import triton
 import triton.testing
 
 from glm5_kernels.flashinfer_mla import FLASHINFER_VERSION_TESTED, FlashInferSparseMLA
-from glm5_kernels.sparse_mla_decode import decode_bytes, decode_flops, sparse_mla_decode, sparse_mla_decode_ref
+from glm5_kernels.sparse_mla_decode import decode_bytes, decode_flops, sparse_mla_decode
+from glm5_kernels.sparse_mla_ref import sparse_mla_decode_ref
 
 H, R, K, SLOTS = 64, 512, 2051, 1 << 22
 SCALE = 256 ** -0.5

@@ -17,7 +17,9 @@ import sys
 import torch
 import triton.testing
 
-from glm5_kernels.sparse_mla_decode import decode_bytes, decode_flops, sparse_mla_decode, sparse_mla_decode_ref
+from glm5_kernels.sparse_mla_decode import decode_bytes, decode_flops, sparse_mla_decode
+
+from glm5_kernels.sparse_mla_ref import sparse_mla_decode_ref
 
 
 def main() -> None:
