@@ -4,7 +4,7 @@ Usage (CUDA GPU): ``python bench/kernel_bench.py OUT.json``: sparse NoPE MLA dec
 rows from a 4M-row cache) at several batch sizes; achieved bytes/s vs the measured copy bandwidth.
 
 ``python bench/kernel_bench.py --small OUT.json``: the latency-bound decode kernels at the bench shapes,
-each replayed from a CUDA graph: the index selection (radix select vs the ``torch.topk`` it replaced) at
+each replayed from a CUDA graph: the index selection (radix select vs a plain ``torch.topk``) at
 context 1K/8K/32K over the 32K-wide block table, sparse MLA with and without valid counts and several
 split/tile choices, and the mHC projection's split-K choices: the data for choosing those defaults.
 """

@@ -1,4 +1,4 @@
-"""bf16 vs fp32 greedy agreement of the engine on a *trained* tiny checkpoint (issue 7, CPU side).
+"""bf16 vs fp32 greedy agreement of the engine on a *trained* tiny checkpoint (CPU side).
 
 A random checkpoint cannot test this: its top-1/top-2 logit margins are ~0.1, so bf16 rounding
 flips greedy tokens early even in transformers' own model (0/20 prompts keep their fp32 tokens;
@@ -17,7 +17,7 @@ import torch
 
 from glm5 import trained_tiny_checkpoint as trained_tiny
 
-#: Issue 7's bar: at least this many of the 20 prompts keep all 32 fp32 greedy tokens in bf16.
+#: The target: at least this many of the 20 prompts keep all 32 fp32 greedy tokens in bf16.
 MIN_AGREE = 18
 
 

@@ -1,4 +1,4 @@
-"""bf16 on the GPU vs fp32 on the CPU, on a *trained* tiny checkpoint (issue 7; run on the H200).
+"""bf16 on the GPU vs fp32 on the CPU, on a *trained* tiny checkpoint (run on the H200).
 
 Why trained: see ``tests/test_bf16_agreement.py`` (a random model's margins are too small for any
 bf16 implementation, transformers' included, to keep its fp32 greedy tokens).

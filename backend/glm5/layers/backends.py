@@ -168,7 +168,7 @@ def decode_attn_backend(device: torch.device, dtype: torch.dtype | None = None, 
         err = _flashinfer_error(device, dtype, latent_width)
         if err is not None:
             raise BackendUnavailable(f"decode_attn_backend='flashinfer' cannot run: {err}. Install flashinfer-python "
-                                     "(README: FlashInfer) or set GLM5_DECODE_ATTN_BACKEND=triton|torch")
+                                     "(docs/gpu.md, FlashInfer) or set GLM5_DECODE_ATTN_BACKEND=triton|torch")
         return "flashinfer"
     return _triton_or_torch("decode_attn", DECODE_ATTN_CHOICES, device)  # any dtype: fp32 uses IEEE products
 
