@@ -12,12 +12,20 @@ split/tile choices, and the mHC projection's split-K choices: the data for choos
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import sys
 
 import torch
 import triton.testing
 
 from glm5_kernels.sparse_mla_decode import decode_bytes, decode_flops, sparse_mla_decode, sparse_mla_decode_ref
+
+
+def _run_info() -> dict:
+    """What the result was measured on and with which command (kept in every output JSON)."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv)}
 
 
 def main(out: str) -> None:
@@ -40,7 +48,7 @@ def main(out: str) -> None:
                      "TFLOPs": decode_flops(n, k, r, h) / t_k / 1e9})
         print(json.dumps(rows[-1]))
     with open(out, "w") as f:
-        json.dump({"copy_bw_Bps": bw, "rows": rows}, f, indent=1)
+        json.dump({**_run_info(), "copy_bw_Bps": bw, "rows": rows}, f, indent=1)
 
 
 def graph_us(fn, reps: int = 200) -> float:
@@ -112,7 +120,7 @@ def small(out: str) -> None:
                                                                       w, 1e-5, splits=splits, block_k=bk))
         log(row)
     with open(out, "w") as f:
-        json.dump({"rows": rows}, f, indent=1)
+        json.dump({**_run_info(), "rows": rows}, f, indent=1)
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -11,6 +11,7 @@ that a median of three hides.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 import time
@@ -25,7 +26,8 @@ from bench import Setup, decode_rows, kernel_profile, median, prefill_once  # no
 def main(out_path: Path) -> None:
     from glm5.engine.cuda_graph import DecodeAttentionPlanner, DecodeGraphRunner, DecodeStager
 
-    out: dict = {}
+    out: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv)}
     s = Setup(1, 32768)
     s.recording = False
     stager = DecodeStager(s.cache, 1, s.blocks_per_req, torch.device("cuda"))
