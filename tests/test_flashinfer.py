@@ -1,7 +1,7 @@
 """FlashInfer backend: sparse NoPE MLA decode and sampling vs the torch references.
 
-``gpu`` tests run on the H200 with flashinfer-python installed (README, "FlashInfer (optional GPU
-backend)"); they build FlashInfer's JIT modules on first use. The CPU tests check the fail-fast
+``gpu`` tests run on the H200 with flashinfer-python installed (docs/gpu.md, "FlashInfer
+(optional)"); they build FlashInfer's JIT modules on first use. The CPU tests check the fail-fast
 paths: an explicit FlashInfer setting must raise with the reason when the library is missing or the
 tensors are not on CUDA, never fall back silently.
 """

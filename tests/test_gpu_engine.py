@@ -1,7 +1,7 @@
 """The engine on a CUDA GPU (run on the H200): oracle agreement and the fla KDA backend.
 
-Reference tokens come from ``bench/gpu_oracle_tokens.json``, computed on CPU in fp32 by
-``bench/make_gpu_refs.py`` (transformers' mask-free greedy decoding = the oracle, and the CPU fp32
+Reference tokens come from ``tests/fixtures/gpu_oracle_tokens.json``, computed on CPU in fp32 by
+``tests/make_gpu_refs.py`` (transformers' mask-free greedy decoding = the oracle, and the CPU fp32
 engine); the checkpoint is rebuilt here and its weight hash must match the one recorded there.
 """
 
@@ -19,7 +19,7 @@ from oracle import engine, engine_greedy
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parent.parent
-REFS = ROOT / "bench" / "gpu_oracle_tokens.json"
+REFS = ROOT / "tests" / "fixtures" / "gpu_oracle_tokens.json"
 
 
 @pytest.fixture(scope="module")

@@ -248,7 +248,7 @@ def select_token_slots(scores: torch.Tensor, n_complete: torch.Tensor, positions
 def bench_indexer(n: int = 64, pools: int = 8192, heads: int = 32, d: int = 128, n_select: int = 512,
                   kpool: int = 4, block_size: int = 64, fp8: bool = False, iters: int = 50) -> dict[str, float]:
     """CUDA timing (µs per call) of indexer_scores and select_token_slots at one decode shape (all rows
-    see ``pools`` complete pools). For the lead's benchmarks; needs a GPU."""
+    see ``pools`` complete pools). For benchmarks; needs a GPU."""
     dev = torch.device("cuda")
     ppb = block_size // kpool
     mb = triton.cdiv(pools, ppb)

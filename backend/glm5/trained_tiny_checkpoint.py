@@ -3,13 +3,13 @@
 Why: the default tiny checkpoint (``glm5.tiny_checkpoint.make_tiny_checkpoint``) has every
 parameter random, so its top-1/top-2 logit margins are tiny and bf16 rounding flips greedy
 tokens within a few steps — transformers' own model keeps 0/20 prompts of its fp32 tokens in bf16
-(``bench/bf16_diag.py``). A bf16-vs-fp32 agreement test only says something about the engine on
-a model whose predictions are confident, i.e. a trained one.
+(``bench/bf16_diag.py`` measures it). A bf16-vs-fp32 agreement test only says something about the
+engine on a model whose predictions are confident, i.e. a trained one.
 
 Recipe: start from ``make_tiny_checkpoint(seed)`` (same architecture, tokenizer, chat template,
 processor files), load it into transformers' ``Glm5NextForConditionalGeneration`` (fp32, eager,
 the oracle's model), and train the language model with AdamW in fp32 on the tokenizer's own
-built-in corpus (``glm5.tiny_checkpoint._CORPUS``, ~1.1k tokens, fixed text in this repository:
+built-in corpus (``glm5.tiny_checkpoint.CORPUS``, ~1.1k tokens, fixed text in this repository:
 offline and deterministic) read as one cyclic stream, so every next token is determined by its
 context and a trained model is confidently right. Windows are drawn from a generator seeded by
 ``seed``. The trained weights are written back through ``save_pretrained`` (which produces the
@@ -18,7 +18,10 @@ replaced by its trained value under the SAME name and dtype; the MTP layer (``la
 not modelled by transformers) and the vision tower keep their random values. ``glm5.engine``
 therefore loads the result unchanged.
 
-CLI: ``python bench/train_tiny.py OUT_DIR [--steps N] [--seed S] [--device cpu|cuda]``.
+The tests that need it (``tests/test_bf16_agreement.py`` on the CPU, ``tests/test_gpu_bf16.py`` on a GPU)
+build it in a fixture; ``scripts/gpu_check.sh`` uses a prebuilt one from ``$GLM5_TRAINED_CKPT``.
+
+CLI: ``python -m glm5.trained_tiny_checkpoint OUT_DIR [--steps N] [--seed S] [--device cpu|cuda] [--agreement]``.
 """
 
 from __future__ import annotations
@@ -74,9 +77,9 @@ class TrainReport:
 
 def corpus_ids() -> list[int]:
     """The training stream: the tiny tokenizer's built-in corpus, tokenized by that tokenizer."""
-    from glm5.tiny_checkpoint import _CORPUS, build_tokenizer
+    from glm5.tiny_checkpoint import CORPUS, build_tokenizer
 
-    return build_tokenizer().encode(_CORPUS).ids
+    return build_tokenizer().encode(CORPUS).ids
 
 
 def _windows(stream: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
@@ -261,7 +264,7 @@ def train_tiny_checkpoint(out_dir: str | Path, steps: int = DEFAULT_STEPS, seed:
     return out
 
 
-#: Greedy tokens compared per prompt by the bf16-vs-fp32 agreement checks (issue 7).
+#: Greedy tokens compared per prompt by the bf16-vs-fp32 agreement checks.
 N_AGREE = 32
 _OOD_TEXTS = (
     "Write a short poem about the sea and the wind.",

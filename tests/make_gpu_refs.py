@@ -1,11 +1,12 @@
 """Compute (on CPU, fp32) the reference tokens the H200 oracle checks compare against.
 
-Writes ``bench/gpu_oracle_tokens.json``: for the default tiny checkpoint (seed 0), 20 random prompts,
+Writes ``tests/fixtures/gpu_oracle_tokens.json`` (read by ``tests/test_gpu_engine.py`` and
+``bench/bf16_diag.py``): for the default tiny checkpoint (seed 0), 20 random prompts,
 transformers' greedy tokens (``tests/oracle.hf_greedy``, the correctness oracle) and the CPU fp32
 engine's greedy tokens, 32 each, plus a checksum of the checkpoint's weights so the GPU side can
-prove it rebuilt the same checkpoint. The committed JSON was computed on the H200 host's CPU
-(torch 2.11, fp32, ``CUDA_VISIBLE_DEVICES=`` and no fla on the path) because this 2-core box took
->30 min; any CPU gives the same fp32 reference. Run: ``python bench/make_gpu_refs.py [out_dir_for_ckpt]``.
+prove it rebuilt the same checkpoint. Any CPU gives the same fp32 reference (on a 2-core machine it
+takes over 30 minutes; run it with ``CUDA_VISIBLE_DEVICES=`` and without fla on the path).
+Run: ``python tests/make_gpu_refs.py [out_dir_for_ckpt]``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests"))   # oracle.py
+OUT = ROOT / "tests" / "fixtures" / "gpu_oracle_tokens.json"
 
 N_PROMPTS, N_NEW = 20, 32
 
@@ -48,7 +50,7 @@ def main() -> None:
            "n_new": N_NEW, "prompts": ps, "hf_fp32_cpu": hf_tokens, "engine_fp32_cpu": cpu_tokens,
            "engine_equals_hf_on_cpu": [a == b for a, b in zip(hf_tokens, cpu_tokens)],
            "torch": torch.__version__}
-    (ROOT / "bench" / "gpu_oracle_tokens.json").write_text(json.dumps(out))
+    OUT.write_text(json.dumps(out))
     print("engine==hf on CPU:", sum(out["engine_equals_hf_on_cpu"]), "/", N_PROMPTS)
 
 
