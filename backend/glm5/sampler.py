@@ -3,6 +3,9 @@
 One call handles R requests ("rows") with their own :class:`~glm5.sampling_params.SamplingParams`.
 Per row the logits go through, in this order (each step is skipped when it is a no-op):
 
+0. **allowed_token_ids** (every other token gets ``-inf``) and **logit_bias** (added to the listed
+   tokens' logits), as vLLM's logits processors apply them before the penalties
+   (:func:`apply_logit_bias`);
 1. **penalties** (vLLM definitions): repetition penalty ``r`` on every token seen in the prompt or
    the output so far (``logit / r`` where the logit is > 0, ``logit * r`` otherwise), then
    ``logit -= frequency_penalty * count`` and ``logit -= presence_penalty * (count > 0)`` with
@@ -153,6 +156,28 @@ def apply_penalties(
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``allowed_token_ids`` masking, then ``logit_bias`` addition, in place (rows without either
+    are untouched). Token ids are validated against the vocabulary at admission."""
+    vocab = logits.shape[1]
+    device = logits.device
+    for i, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            keep = torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=device)
+            if int(keep.max()) >= vocab:
+                raise ValueError(f"row {i}: allowed_token_ids has id {int(keep.max())} outside the vocabulary [0, {vocab})")
+            mask = torch.ones(vocab, dtype=torch.bool, device=device)
+            mask[keep] = False
+            logits[i].masked_fill_(mask, float("-inf"))
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=device)
+            if int(ids.max()) >= vocab:
+                raise ValueError(f"row {i}: logit_bias has id {int(ids.max())} outside the vocabulary [0, {vocab})")
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=device)
+            logits[i].index_add_(0, ids, bias)
+    return logits
+
+
 def min_tokens_banned_ids(params: SamplingParams, eos_token_ids: Sequence[int]) -> list[int]:
     """Token ids that must not be sampled while ``min_tokens`` is not reached for a row."""
     banned = list(params.stop_token_ids)
@@ -271,13 +296,15 @@ class Sampler:
     def _penalize(self, logits: torch.Tensor, params: Sequence[SamplingParams], *,
                   output_token_ids: Sequence[Sequence[int]], prompt_token_ids: Sequence[Sequence[int]] | None,
                   eos_token_ids: Sequence[Sequence[int]] | None) -> torch.Tensor:
-        """Steps 1-2 on an fp32 copy: penalties and min-tokens masking."""
+        """Steps 0-2 on an fp32 copy: logit bias / allowed tokens, penalties, min-tokens masking."""
         rows = logits.shape[0]
         _check_rows("params", params, rows)
         _check_rows("output_token_ids", output_token_ids, rows)
         _check_rows("prompt_token_ids", prompt_token_ids, rows)
         _check_rows("eos_token_ids", eos_token_ids, rows)
         x = logits.to(torch.float32, copy=True)
+        if any(p.logit_bias or p.allowed_token_ids is not None for p in params):
+            apply_logit_bias(x, params)
         apply_penalties(x, params, output_token_ids, prompt_token_ids)
         if any(p.min_tokens > 0 for p in params):
             if eos_token_ids is None:

@@ -66,6 +66,8 @@ class Sequence:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
     # per-output-token logprob records (when params.logprobs is set)
     logprobs: list[dict] = field(default_factory=list)
+    # per-prompt-token logprob records (params.prompt_logprobs; None for token 0); see engine.prompt_logprobs
+    prompt_logprobs: list[dict | None] = field(default_factory=list)
     # speculative decoding: drafts proposed for the next step and the distributions they came from
     draft_tokens: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
