@@ -1,0 +1,7 @@
+"""``python -m glm5.entrypoints.openai``: the OpenAI-compatible server (see :mod:`.app`)."""
+
+import sys
+
+from glm5.entrypoints.openai.app import main
+
+sys.exit(main())
