@@ -29,18 +29,46 @@ DEFAULT_PORT = 9000
 DEFAULT_MAX_BODY_MB = 64.0
 
 
+class BodyLimit:
+    """Pure ASGI middleware: a body larger than ``max_bytes`` gets 413 (by its Content-Length before
+    anything is read; a chunked body when the running count passes the limit). Pure ASGI, not
+    ``BaseHTTPMiddleware``: that one wraps ``receive`` so ``Request.is_disconnected`` no longer
+    sees the client leave, which the cancellation of non-streamed requests relies on."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await JSONResponse(self._error(int(length)).to_json(), status_code=413)(scope, receive, send)
+            return
+        seen = 0
+
+        async def counting_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise self._error(seen)
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    def _error(self, size: int) -> OpenAIError:
+        return OpenAIError(f"request body of {size} bytes exceeds the limit of {self.max_bytes} bytes "
+                           "(--max-body-mb)", status=413)
+
+
 def build_app(serving: Any, max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20)) -> FastAPI:
     """The FastAPI app around an :class:`~glm5.entrypoints.openai.serving.OpenAIServing`."""
     app = FastAPI(title="glm5-triton OpenAI-compatible API")
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):  # noqa: ANN202 (starlette middleware)
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            err = OpenAIError(f"request body of {int(length)} bytes exceeds the limit of {max_body_bytes} bytes "
-                              "(--max-body-mb)", status=413)
-            return JSONResponse(err.to_json(), status_code=413)
-        return await call_next(request)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:

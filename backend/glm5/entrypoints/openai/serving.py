@@ -73,19 +73,52 @@ def extract_media(messages: list[dict]) -> tuple[list[bytes], list[bytes]]:
     return images, videos
 
 
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2 byte-level BPE's printable stand-in character -> the byte it stands for."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = list(bs), 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_OF = _byte_level_table()
+
+
+class TokenBytes:
+    """A token's exact UTF-8 bytes for OpenAI's ``bytes`` field: a byte-level BPE piece can hold part
+    of a character, which its decoded text shows only as U+FFFD. Added (special) tokens are text."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._added = set(getattr(tokenizer, "get_added_vocab", dict)().values()) if tokenizer is not None else set()
+
+    def __call__(self, token_id: str | int, decoded: str) -> list[int]:
+        if self._tok is not None and int(token_id) not in self._added:
+            piece = self._tok.convert_ids_to_tokens(int(token_id))
+            if isinstance(piece, str) and piece and all(ch in _BYTE_OF for ch in piece):
+                return [_BYTE_OF[ch] for ch in piece]
+        return list(decoded.encode("utf-8"))
+
+
 def _top(entry: dict[str, dict]) -> list[tuple[str, dict]]:
     """A vLLM logprob entry's tokens sorted by rank (the sampled token first in the dict)."""
     return sorted(entry.items(), key=lambda kv: kv[1]["rank"])
 
 
-def chat_logprobs(entries: list[dict], k: int) -> list[dict]:
+def chat_logprobs(entries: list[dict], k: int, token_bytes: Any = None) -> list[dict]:
+    """OpenAI chat ``logprobs.content`` from vLLM-shaped entries (sampled token, then the top ``k``)."""
+    to_bytes = token_bytes or (lambda _tid, text: list(text.encode("utf-8")))
     out = []
     for e in entries:
         tid, rec = next(iter(e.items()))
         tok = rec["decoded_token"]
-        tops = [{"token": r["decoded_token"], "logprob": r["logprob"], "bytes": list(r["decoded_token"].encode())}
-                for _, r in _top(e)[:k]] if k else []
-        out.append({"token": tok, "logprob": rec["logprob"], "bytes": list(tok.encode()), "top_logprobs": tops})
+        tops = [{"token": r["decoded_token"], "logprob": r["logprob"], "bytes": to_bytes(t, r["decoded_token"])}
+                for t, r in _top(e)[:k]] if k else []
+        out.append({"token": tok, "logprob": rec["logprob"], "bytes": to_bytes(tid, tok), "top_logprobs": tops})
     return out
 
 
@@ -149,6 +182,7 @@ class OpenAIServing:
         self.generator, self.tokenizer = generator, tokenizer
         self.served_model_name, self.max_model_len = served_model_name, max_model_len
         self.reasoning_parser = reasoning_parser
+        self.token_bytes = TokenBytes(tokenizer)
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ shared
@@ -240,7 +274,7 @@ class OpenAIServing:
                     reason = "tool_calls" if reason == "stop" else reason
             choice: dict[str, Any] = {"index": i, "message": msg, "finish_reason": reason, "logprobs": None}
             if req.logprobs and u.logprobs and u.logprobs[i] is not None:
-                choice["logprobs"] = {"content": chat_logprobs(u.logprobs[i], req.top_logprobs or 0)}
+                choice["logprobs"] = {"content": chat_logprobs(u.logprobs[i], req.top_logprobs or 0, self.token_bytes)}
             choices.append(choice)
         out = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model":
                self.served_model_name, "choices": choices,
@@ -278,7 +312,7 @@ class OpenAIServing:
                     delta = st.feed(u.texts[i], reason is not None)
                     lp = None
                     if req.logprobs and u.logprobs and u.logprobs[i]:
-                        lp = {"content": chat_logprobs(u.logprobs[i], req.top_logprobs or 0)}
+                        lp = {"content": chat_logprobs(u.logprobs[i], req.top_logprobs or 0, self.token_bytes)}
                     if reason is not None:
                         st.finished = True
                         if st.called and reason == "stop":
