@@ -4,4 +4,5 @@ import sys
 
 from glm5.entrypoints.openai.app import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())
