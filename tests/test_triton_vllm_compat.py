@@ -104,6 +104,9 @@ def test_full_vllm_backend_input_set_non_streaming_with_vllm_only_keys(server):
     assert math.isfinite(float(r["cumulative_logprob"][0]))
     plp = json.loads(_texts(r["prompt_logprobs"])[0])
     assert plp[0] is None and len(plp) == int(r["num_input_tokens"][0])
+    # detokenize=false: no text, the tokens are still counted
+    quiet = _infer(server, full_input_set(False, dict(sampling, detokenize=False)))[0]
+    assert _texts(quiet["text_output"]) == [""] and int(quiet["num_output_tokens"][0]) == 5
 
 
 def test_triton_openai_frontend_default_payload_is_answered(server):

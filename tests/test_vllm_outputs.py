@@ -116,3 +116,24 @@ def test_triton_error_messages_map_to_http_statuses():
     assert error_status("sampling parameter 'top_k' = -7 is invalid") == 400
     assert error_status("internal error: RuntimeError: boom") == 500
     assert error_status("request was cancelled") == 499
+
+
+def test_chat_media_parts_must_be_data_urls():
+    import base64
+
+    import pytest
+
+    from glm5.entrypoints.openai.protocol import OpenAIError
+    from glm5.entrypoints.openai.serving import extract_media
+
+    png, mp4 = b"\x89PNG fake", b"\x00\x00\x00\x18ftypmp42"
+    msgs = [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(mp4).decode()}},
+        {"type": "text", "text": "and"},
+        {"type": "image_url", "image_url": "data:image/png;base64," + base64.b64encode(png).decode()}]}]
+    assert extract_media(msgs) == ([png], [mp4])
+    for url, needle in (("https://x.org/v.mp4", "remote video"), ("data:video/mp4,raw", "base64 encoded"),
+                        ("data:video/mp4;base64,@@@", "does not decode")):
+        with pytest.raises(OpenAIError, match=needle) as info:
+            extract_media([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}}]}])
+        assert info.value.status == 400 and info.value.param == "messages[0].content[0]"

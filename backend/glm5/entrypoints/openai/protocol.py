@@ -10,7 +10,7 @@ dicts in :mod:`glm5.entrypoints.openai.serving` in OpenAI's shape.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -123,5 +123,3 @@ class CompletionRequest(_Request):
     def output_limit(self) -> int | None:
         return self.max_tokens
 
-
-ToolChoice = Literal["none", "auto", "required"]
