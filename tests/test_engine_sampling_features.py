@@ -88,3 +88,22 @@ def test_for_sequence_gives_each_sequence_its_own_seed():
     assert SamplingParams(n=2, best_of=4).num_sequences == 4
     with pytest.raises(ValueError):
         p.for_sequence(3)
+
+
+@pytest.mark.gpu
+def test_prompt_logprobs_and_logit_bias_on_gpu_with_decode_graphs(pair):
+    """On CUDA (decode CUDA graphs on): requests with prompt logprobs leave the graph path only while
+    their prompt is scored; their records match the CPU engine and a biased request in the same
+    batch still decodes the biased token."""
+    ckpt, hf = pair
+    vocab = hf.config.text_config.vocab_size
+    prompts = [random_prompt(n, vocab, seed=n) for n in (37, 12, 60)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={7: 100.0}),
+              SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)]
+    cpu = engine(ckpt).generate(prompts, params)
+    gpu = engine(ckpt, device="cuda", max_num_batched_tokens=32).generate(prompts, params)
+    assert gpu[1].token_ids == [7] * 6
+    assert gpu[0].token_ids == cpu[0].token_ids and gpu[2].token_ids == cpu[2].token_ids
+    for a, b in zip(cpu[0].prompt_logprobs[1:], gpu[0].prompt_logprobs[1:]):
+        assert a["token_id"] == b["token_id"] and a["logprob"] == pytest.approx(b["logprob"], abs=2e-3)

@@ -46,8 +46,11 @@ class OpenAIServerProcess:
     def start(self) -> "OpenAIServerProcess":
         out = open(self.log_file, "ab") if self.log_file else None  # noqa: SIM115 (closed in stop)
         self._log = out
-        self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT if out else None,
-                                     start_new_session=True, env=dict(os.environ))
+        # without a log file the server logs to our stderr: uvicorn's access log would otherwise land
+        # on stdout, where `glm5 serve` prints its endpoints as one JSON line
+        self.proc = subprocess.Popen(self.command(), stdout=out if out else sys.stderr,
+                                     stderr=subprocess.STDOUT if out else None, start_new_session=True,
+                                     env=dict(os.environ))
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
