@@ -107,3 +107,27 @@ def test_prompt_logprobs_and_logit_bias_on_gpu_with_decode_graphs(pair):
     assert gpu[0].token_ids == cpu[0].token_ids and gpu[2].token_ids == cpu[2].token_ids
     for a, b in zip(cpu[0].prompt_logprobs[1:], gpu[0].prompt_logprobs[1:]):
         assert a["token_id"] == b["token_id"] and a["logprob"] == pytest.approx(b["logprob"], abs=2e-3)
+
+
+def test_bad_words_ban_the_word_in_context(tiny_checkpoint_dir):
+    """vLLM's rule: a word's last token is banned where the output ends with the word's other tokens."""
+    from oracle import engine as make_engine
+    from glm5.sampler import apply_bad_words
+
+    logits = torch.zeros(2, 10)
+    apply_bad_words(logits, [[[3], [1, 2]], None], [[5, 1], [1]])
+    assert torch.isinf(logits[0, 3]) and torch.isinf(logits[0, 2]) and not torch.isinf(logits[1]).any()
+    fresh = apply_bad_words(torch.zeros(1, 10), [[[4, 2]]], [[5, 1]])
+    assert not torch.isinf(fresh).any()      # the output does not end with 4: this word leaves 2 allowed
+
+    eng = make_engine(tiny_checkpoint_dir)
+    g = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
+    base = eng.generate(["The quick brown fox"], SamplingParams(**g))[0]
+    word = eng.tokenizer.decode(base.token_ids[:1]).strip() or eng.tokenizer.decode(base.token_ids[:2]).strip()
+    assert word
+    banned = eng.generate(["The quick brown fox"], SamplingParams(bad_words=[word], **g))[0]
+    seqs = [eng.tokenizer.encode(t, add_special_tokens=False) for t in (word, " " + word)]
+    for ids in seqs:
+        for i in range(len(banned.token_ids) - len(ids) + 1):
+            assert banned.token_ids[i:i + len(ids)] != ids
+    assert banned.token_ids != base.token_ids

@@ -27,6 +27,9 @@ Clients talk to this server with the vocabulary of the Triton vLLM backend (a JS
   are applied to the logits before the penalties, as vLLM's logits processors do.
 * ``truncate_prompt_tokens``: keep only the last ``k`` prompt tokens (``-1`` = as many as
   ``max_model_len`` allows).
+* ``bad_words``: words that must not be generated. Like vLLM, each word is tokenized as is and with
+  a leading space, and the last token of such a sequence is banned whenever the output so far ends
+  with the sequence's other tokens (a one-token word is always banned).
 
 Keys vLLM's ``SamplingParams`` has that change nothing here are accepted and documented in
 :data:`NO_EFFECT_KEYS`; keys whose feature this engine does not have are rejected with the reason
@@ -79,7 +82,6 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "early_stopping": "beam search is not implemented",
     "logits_processors": "custom logits processors are Python callables and cannot be sent in a request",
     "lora_name": "LoRA feature is not enabled (this model serves no LoRA adapters)",
-    "bad_words": "bad_words is not implemented; use logit_bias with -100 on the words' token ids",
 }
 
 #: Range of ``torch.Generator.manual_seed``.
@@ -127,6 +129,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     detokenize: bool = True
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -246,6 +249,9 @@ class SamplingParams:
             for t in self.allowed_token_ids:
                 if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
                     raise _err("allowed_token_ids", self.allowed_token_ids, f"token ids in the vocabulary (bad entry {t!r})")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise _err("bad_words", self.bad_words, "null or a list of non-empty strings")
         if self.truncate_prompt_tokens is not None:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, desc="null, -1, or an integer >= 1")
             if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
@@ -447,6 +453,7 @@ _COERCERS: dict[str, Any] = {
     "allowed_token_ids": _optional(_to_id_list),
     "truncate_prompt_tokens": _optional(_to_int),
     "detokenize": _to_bool,
+    "bad_words": _to_stop,
 }
 if set(_COERCERS) != {f.name for f in dataclasses.fields(SamplingParams)}:  # keep the two in sync
     raise RuntimeError("glm5.sampling_params: _COERCERS does not cover exactly the SamplingParams fields")

@@ -27,7 +27,7 @@ from glm5.engine.scheduler import Scheduler
 from glm5.engine.sequence import MultiModalData, Sequence
 from glm5.engine.spec_decode import SpecStats, draw, greedy_verify, rejection_sample, target_distributions
 from glm5.detokenizer import RequestOutputProcessor
-from glm5.sampler import Sampler, TokenLogprobs, make_generator
+from glm5.sampler import Sampler, TokenLogprobs, bad_word_token_ids, make_generator
 from glm5.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -235,6 +235,10 @@ class LLMEngine:
                        eos_token_ids=self.eos_token_ids, arrival_order=next(self._order), mm=mm)
         if params.seed is not None:
             seq.generator = make_generator(params.seed)
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words needs the checkpoint's tokenizer; ban token ids with logit_bias instead")
+            seq.bad_words_token_ids = bad_word_token_ids(self.tokenizer, params.bad_words)
         if self.spec_stats is not None:
             seq.spec_stats = SpecStats(self.args.num_speculative_tokens)
         proc = RequestOutputProcessor(self.tokenizer or _NoTextTokenizer(), ids, params, self.eos_token_ids)
@@ -289,7 +293,8 @@ class LLMEngine:
             result = self.sampler.sample(
                 model_out.logits[rows], [s.params for s in seqs], generators=[s.generator for s in seqs],
                 output_token_ids=[s.output_token_ids for s in seqs], prompt_token_ids=[s.prompt_token_ids for s in seqs],
-                eos_token_ids=[s.eos_token_ids for s in seqs])
+                eos_token_ids=[s.eos_token_ids for s in seqs],
+                bad_words_token_ids=[s.bad_words_token_ids for s in seqs])
             tokens = result.token_ids.tolist()
             for k, (ci, _) in enumerate(plain):
                 new_tokens[ci] = ([tokens[k]], [_logprob_dict(result.logprobs[k])])
@@ -331,8 +336,8 @@ class LLMEngine:
 
     def _num_drafts(self, seq: Sequence) -> int:
         p = seq.params
-        if p.logprobs is not None:  # logprobs of verified tokens are not computed: no speculation
-            return 0
+        if p.logprobs is not None or p.bad_words:  # logprobs / bad words are applied on the sampling path
+            return 0                                  # only, not to verified drafts: no speculation
         room = min(p.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens)
         return max(0, min(self.args.num_speculative_tokens, room - 1))
 

@@ -62,6 +62,7 @@ class _Request(BaseModel):
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    bad_words: list[str] | None = None
 
     @model_validator(mode="after")
     def _log_unknown(self) -> "_Request":
@@ -84,7 +85,8 @@ class _Request(BaseModel):
         sp: dict[str, Any] = {}
         for key in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
                     "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-                    "include_stop_str_in_output", "prompt_logprobs", "allowed_token_ids", "truncate_prompt_tokens"):
+                    "include_stop_str_in_output", "prompt_logprobs", "allowed_token_ids", "truncate_prompt_tokens",
+                    "bad_words"):
             value = getattr(self, key)
             if value is not None:
                 sp[key] = value
