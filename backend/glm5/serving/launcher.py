@@ -504,6 +504,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--" + name.replace("_", "-"), dest=name, help=f"engine {name} (config parameter)")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="any other glm5 config.pbtxt parameter, repeatable")
+    parser.add_argument("--openai-port", type=int, help="also serve the OpenAI-compatible API (/v1) on this port, "
+                        "bound to --host (docs/openai.md)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -542,9 +544,25 @@ def run(args: argparse.Namespace) -> int:
         return 1
     http_host = args.http_address or args.host
     grpc_host = args.grpc_address or args.host
-    print(json.dumps({"model": model, "grpc": f"{grpc_host}:{srv.grpc_port}",
-                      "http": f"http://{http_host}:{srv.http_port}", "metrics": srv.metrics_url,
-                      "pid": srv.proc.pid if srv.proc else None}), flush=True)
+    openai = None
+    if args.openai_port is not None:
+        from glm5.entrypoints.openai.process import OpenAIServerError, OpenAIServerProcess
+
+        openai = OpenAIServerProcess(triton_url=f"127.0.0.1:{srv.grpc_port}" if grpc_host in ("0.0.0.0", "::")
+                                     else f"{grpc_host}:{srv.grpc_port}", model_dir=model, port=args.openai_port,
+                                     host=args.host)
+        try:
+            openai.start()
+        except OpenAIServerError as exc:
+            srv.stop()
+            print(f"glm5 serve: {exc}", file=sys.stderr)
+            return 1
+    endpoints = {"model": model, "grpc": f"{grpc_host}:{srv.grpc_port}",
+                 "http": f"http://{http_host}:{srv.http_port}", "metrics": srv.metrics_url,
+                 "pid": srv.proc.pid if srv.proc else None}
+    if openai is not None:
+        endpoints["openai"] = openai.base_url
+    print(json.dumps(endpoints), flush=True)
     print(f"glm5 serving: gRPC {grpc_host}:{srv.grpc_port}  HTTP http://{http_host}:{srv.http_port}  "
           f"metrics {srv.metrics_url}  (Ctrl-C stops)", flush=True)
     try:
@@ -552,7 +570,12 @@ def run(args: argparse.Namespace) -> int:
             if srv.proc is not None and srv.proc.poll() is not None:
                 print(f"glm5 serve: tritonserver exited with code {srv.proc.returncode}", file=sys.stderr)
                 return int(srv.proc.returncode or 1)
+            if openai is not None and openai.proc is not None and openai.proc.poll() is not None:
+                print(f"glm5 serve: the OpenAI server exited with code {openai.proc.returncode}", file=sys.stderr)
+                return int(openai.proc.returncode or 1)
             stop.wait(0.5)
     finally:
+        if openai is not None:
+            openai.stop()
         srv.stop()
     return 0
