@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import socket
@@ -262,3 +263,29 @@ def test_tritonserver_251_dies_on_a_large_form_body_sent_directly(tmp_path: Path
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ------------------------------------------------------------------------------------------ soak tool
+
+def test_soak_tool_short_run_with_hostile_mix_and_cancellations(server):
+    """``glm5-client soak`` against the live server: good streams, cancellations, refused hostile requests,
+    RSS sampled through the server's pid, cache back to 0."""
+    from glm5_client.soak import build_parser, run_soak
+
+    args = build_parser().parse_args(["--url", server.grpc_url, "--http-url", server.http_url,
+                                      "--metrics-url", server.metrics_url, "--pid", str(server.proc.pid),
+                                      "--streams", "4", "--minutes", "0.25", "--max-tokens", "8",
+                                      "--cancel-fraction", "0.3", "--hostile", "--hostile-interval", "2",
+                                      "--warmup-seconds", "2", "--sample-interval", "1"])
+    args.hostile_kinds = ["bad_params", "bad_media", "oversized_http"]
+    result = asyncio.run(run_soak(args))
+    s = result.summary()
+    assert s["good_requests"] >= 4 and s["failed_good_requests"] == 0, s["failure_messages"]
+    assert s["cancelled_requests"] >= 1 and s["ttft_s"]["n"] >= 4 and s["inter_token_gap_s"]["p50"] > 0
+    assert sum(k["sent"] for k in s["hostile"].values()) >= 3 and not s["hostile_mishandled"]
+    assert s["hostile"]["oversized_http"]["handled"] == s["hostile"]["oversized_http"]["sent"] >= 1
+    assert s["rss_baseline_mb"] > 100 and s["rss_final_mb"] > 100        # tritonserver + the engine's stub
+    assert s["cache_usage_after"] == 0.0
+    verdict = result.verdict()
+    assert verdict["no_failed_good_requests"] and verdict["cache_empty_after"]
+    still_serves(server)
