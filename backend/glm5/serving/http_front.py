@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -53,6 +54,9 @@ DEFAULT_MAX_BODY_BYTES = 4_000_000
 DRAIN_MAX_BYTES = 256 * 1024 * 1024
 DRAIN_MAX_SECONDS = 10.0
 FORM_CONTENT_TYPE = "application/x-www-form-urlencoded"
+#: Upstream answers with a Content-Length up to this size are read whole and passed on with it;
+#: everything else (generate_stream's events, large outputs) is streamed through chunk by chunk.
+BUFFERED_RESPONSE_BYTES = 1024 * 1024
 
 # Connection-level headers (RFC 9110 §7.6.1) are not forwarded, nor what httpx/uvicorn recompute.
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
@@ -151,10 +155,12 @@ def make_app(settings: FrontSettings, client: httpx.AsyncClient | None = None) -
 
     def upstream_client() -> httpx.AsyncClient:
         if "client" not in state:
+            # TCP_NODELAY: requests and small answers go out at once instead of waiting on Nagle.
+            transport = httpx.AsyncHTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+                                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
             state["client"] = client or httpx.AsyncClient(
-                base_url=settings.upstream,
-                timeout=httpx.Timeout(connect=settings.connect_timeout_s, read=None, write=60.0, pool=None),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+                base_url=settings.upstream, transport=transport,
+                timeout=httpx.Timeout(connect=settings.connect_timeout_s, read=None, write=60.0, pool=None))
         return state["client"]
 
     async def forward(request: Request) -> Response:
@@ -185,6 +191,17 @@ def make_app(settings: FrontSettings, client: httpx.AsyncClient | None = None) -
             logger.error("tritonserver at %s unreachable: %s", settings.upstream, exc)
             return _error(502, f"the inference server behind this front is unreachable ({type(exc).__name__})")
         headers = {k: v for k, v in up.headers.items() if k.lower() not in _HOP_BY_HOP}
+        length = up.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) <= BUFFERED_RESPONSE_BYTES:
+            # A small answer of known size (health, metadata, errors, /generate): pass it on whole,
+            # with its Content-Length, instead of re-chunking it.
+            try:
+                content = await up.aread()
+            except httpx.HTTPError as exc:
+                return _error(502, f"the inference server's answer broke off ({type(exc).__name__})")
+            finally:
+                await up.aclose()
+            return Response(content, status_code=up.status_code, headers=headers)
 
         async def relay() -> AsyncIterator[bytes]:
             # Raw chunks as they arrive: generate_stream events reach the client one by one.
