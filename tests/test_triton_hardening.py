@@ -27,6 +27,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from glm5.serving.access import ADMIN_HEADER
+from glm5.serving.installation import LauncherError
 from glm5.serving.server_process import TritonServerProcess, find_free_port
 from glm5_client import Glm5Client
 
@@ -108,7 +109,7 @@ def test_admin_grpc_apis_need_the_key(server):
              "statistics": lambda c, h: c.get_inference_statistics(headers=h),
              "trace": lambda c, h: c.get_trace_settings(headers=h)}
     with grpcclient.InferenceServerClient(server.grpc_url) as c:
-        for name, call in calls.items():
+        for call in calls.values():
             with pytest.raises(InferenceServerException, match="restricted"):
                 call(c, None)
             call(c, server.admin_key.grpc_headers())        # no exception with the key
@@ -159,6 +160,18 @@ def test_locked_down_defaults_in_the_command_line(tmp_path: Path):
     front = srv.front_command()
     assert front[front.index("--host") + 1] == "0.0.0.0" and front[front.index("--port") + 1] == str(srv.http_port)
     assert srv.admin_key.value not in srv._redacted(argv)
+
+
+def test_explicit_model_control_only_when_asked_and_only_behind_the_key(tmp_path: Path):
+    srv = TritonServerProcess(model_dir="/ckpt", work_dir=tmp_path / "a", models=("glm5",), model_control="explicit")
+    argv, _ = srv.command()
+    assert "--model-control-mode=explicit" in argv and "--load-model=glm5" in argv
+    open_repo = TritonServerProcess(model_dir="/ckpt", work_dir=tmp_path / "b", model_control="explicit",
+                                    restricted_apis=("logging",))
+    with pytest.raises(LauncherError, match="upload a model"):
+        open_repo.command()
+    with pytest.raises(LauncherError, match="model_control"):
+        TritonServerProcess(model_dir="/ckpt", work_dir=tmp_path / "c", model_control="poll").command()
 
 
 # ------------------------------------------------------------------------------------------ front

@@ -30,7 +30,8 @@ from glm5.serving.installation import (DEFAULT_MODELS, NGC_BACKEND_DIR, PYTHON_P
                                        default_model_repository, locate_tritonserver, project_root,
                                        python_path_entries, system_python_for_stub)
 from glm5.serving.repository import prepare_model_repository  # noqa: F401  (re-exported)
-from glm5.serving.server_process import MODEL_CONTROL_MODES, TritonServerProcess, find_free_port, is_loopback
+from glm5.serving.server_process import (MODEL_CONTROL_MODES, TritonServerProcess, find_free_port,  # noqa: F401
+                                         is_loopback)
 
 logger = logging.getLogger(__name__)
 
