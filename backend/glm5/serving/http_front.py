@@ -36,6 +36,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from starlette.applications import Starlette
@@ -57,6 +58,8 @@ FORM_CONTENT_TYPE = "application/x-www-form-urlencoded"
 #: Upstream answers with a Content-Length up to this size are read whole and passed on with it;
 #: everything else (generate_stream's events, large outputs) is streamed through chunk by chunk.
 BUFFERED_RESPONSE_BYTES = 1024 * 1024
+#: While tritonserver is starting every readiness poll fails; say so at most this often.
+UNREACHABLE_LOG_INTERVAL_S = 30.0
 
 # Connection-level headers (RFC 9110 §7.6.1) are not forwarded, nor what httpx/uvicorn recompute.
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
@@ -151,7 +154,7 @@ def make_app(settings: FrontSettings, client: httpx.AsyncClient | None = None) -
     ``client`` lets a caller share or mock the upstream connection pool; by default one is made
     for the app's lifetime.
     """
-    state: dict[str, httpx.AsyncClient] = {}
+    state: dict[str, Any] = {}
 
     def upstream_client() -> httpx.AsyncClient:
         if "client" not in state:
@@ -188,7 +191,10 @@ def make_app(settings: FrontSettings, client: httpx.AsyncClient | None = None) -
         try:
             up = await upstream_client().send(up_req, stream=True)
         except httpx.HTTPError as exc:
-            logger.error("tritonserver at %s unreachable: %s", settings.upstream, exc)
+            now = time.monotonic()
+            if now - state.get("unreachable_logged", -1e9) > UNREACHABLE_LOG_INTERVAL_S:   # not once per poll
+                state["unreachable_logged"] = now
+                logger.warning("tritonserver at %s unreachable: %s", settings.upstream, exc)
             return _error(502, f"the inference server behind this front is unreachable ({type(exc).__name__})")
         headers = {k: v for k, v in up.headers.items() if k.lower() not in _HOP_BY_HOP}
         length = up.headers.get("content-length")
