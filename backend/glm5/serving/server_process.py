@@ -98,6 +98,14 @@ class _OutputPump:
         self._thread.join(timeout)
 
 
+def _stdout_bytes() -> IO[bytes]:
+    """This process's stdout as a byte stream (``sys.stdout`` may be a text-only stand-in under tests)."""
+    buf = getattr(sys.stdout, "buffer", None)
+    if buf is not None:
+        return buf
+    return os.fdopen(os.dup(sys.__stdout__.fileno()), "wb")
+
+
 def _stop_group(proc: subprocess.Popen, timeout_s: float, what: str) -> int | None:
     """SIGTERM ``proc``'s process group, SIGKILL after ``timeout_s``; then make sure none of it is left."""
     if proc.poll() is None:
@@ -282,7 +290,7 @@ class TritonServerProcess:
     def start(self) -> "TritonServerProcess":
         argv, env = self.command()
         logger.info("starting %s", self._redacted(argv))
-        self._sink = open(self.log_file, "ab") if self.log_file else sys.stdout.buffer  # noqa: SIM115 (stop closes it)
+        self._sink = open(self.log_file, "ab") if self.log_file else _stdout_bytes()  # noqa: SIM115 (stop closes it)
         try:
             self.proc = self._spawn(argv, env, "tritonserver-output")
             if self.http_front:
@@ -343,7 +351,7 @@ class TritonServerProcess:
         for pump in self._pumps:
             pump.join()
         self._pumps = []
-        if self._sink is not None and self.log_file:
+        if self._sink is not None and self._sink is not getattr(sys.stdout, "buffer", None):
             self._sink.close()
         self._sink = None
         if self._tmp is not None:
