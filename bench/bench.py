@@ -15,9 +15,12 @@ TFLOP/s; and transformers' glm5_next decode at batch 1 and at the largest batch 
 config (HF-initialised weights; its timing does not depend on weight values beyond routing), in a child
 process of the same run once the engine has released the GPU.
 
-Usage: ``python bench/bench.py --out DIR [--quick]``; writes ``DIR/results.json`` (+ a PNG plot if
-matplotlib imports). ``python bench/bench.py --render results.json`` writes ``bench/RESULTS.md`` and draws
-``bench/decode.png`` from the JSON (the plot is not committed: any machine with the bench extra redraws it).
+Usage: ``python bench/bench.py --out DIR [--quick] [--profile-prefill] [--flashinfer]`` on a CUDA GPU;
+writes ``DIR/results.json`` (schema: ``ceilings``, ``decode`` rows with ``bytes``, ``prefill`` rows, ``hf``,
+``profiles``), the profiler tables ``DIR/profile_*.txt``, ``DIR/bench.log`` (one JSON line per measurement,
+so a run cut short keeps what it measured) and ``DIR/decode.png`` when matplotlib imports.
+``python bench/render_results.py DIR/results.json`` renders the markdown (``bench/results/`` holds the
+recorded run; ``docs/benchmarks.md`` says how to update it).
 """
 
 from __future__ import annotations
@@ -286,7 +289,7 @@ def run_prefill(s: Setup, lengths, chunk: int, log) -> list[dict]:
     for n in lengths:
         try:
             # two warm-ups: after one, consecutive 8K prefills took 1.55, 0.25, 0.21, 0.21, 0.21 s
-            # (bench/step_anatomy.json), and a median of three after one warm-up reported 0.35 s
+            # (bench/results/step_anatomy.json), and a median of three after one warm-up reported 0.35 s
             times = timed(lambda: prefill_once(s, n, chunk), 3 if n <= 8192 else 1, warmup=2)
             t = median(times)
             fl = s.prefill_flops(n)
@@ -301,7 +304,7 @@ def run_prefill(s: Setup, lengths, chunk: int, log) -> list[dict]:
 
 def profile_prefill(s: Setup, n: int, chunk: int, out: Path) -> dict:
     """Kernel table of one whole ``n``-token prefill (after a warm-up), grouped by kernel and by the torch op
-    that launched it: where prefill time goes (issue 7 asks for profile evidence of what limits it)."""
+    that launched it: the profile evidence of what limits prefill."""
     return {"tokens": n, "chunk": chunk, **kernel_profile(s, lambda: prefill_once(s, n, chunk),
                                                           out / f"profile_prefill_{n}.txt", rows=40)}
 
@@ -384,11 +387,11 @@ def run_hf_subprocess(args, log) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--render", type=Path, help="results.json -> bench/RESULTS.md")
-    ap.add_argument("--skip-hf", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="output directory (created)")
+    ap.add_argument("--quick", action="store_true", help="batches 1, 8 and contexts 1K, 8K only")
+    ap.add_argument("--skip-hf", action="store_true", help="do not run transformers' model")
     ap.add_argument("--profile-prefill", action="store_true", help="also profile one 8K prefill (kernel table)")
     ap.add_argument("--hf-batches", type=int, nargs="+", default=[1, 8, 64],
                     help="transformers decode batches, tried in order until one fails (then halved)")
@@ -408,10 +411,6 @@ def main() -> int:
         res = run_hf(1024, 6, hf_log, args.hf_batches, args.hf_deadline)
         args.hf_worker.write_text(json.dumps(res, indent=1, default=str))
         return 0
-    if args.render:
-        from render_results import finalize, render
-        render(finalize(json.loads(args.render.read_text())), ROOT / "bench" / "RESULTS.md")
-        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     logf = open(args.out / "bench.log", "w")
 
@@ -424,6 +423,7 @@ def main() -> int:
     from glm5.layers import backends
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
+           "config": bench_config_dict()["text_config"],
            "backends": {name: fn(torch.device("cuda")) for name, fn in (
                ("kda", lambda d: backends.kda_backend(d, torch.bfloat16)), ("prefill_attn", backends.attn_backend),
                ("decode_attn", lambda d: backends.decode_attn_backend(d, torch.bfloat16, 512)),

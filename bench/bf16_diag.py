@@ -1,14 +1,17 @@
 """Is the bf16 disagreement a bug or bf16 rounding on a random model? (run on a CUDA machine)
 
-For the default tiny checkpoint and the 20 reference prompts of ``bench/gpu_oracle_tokens.json``:
+For the default tiny checkpoint and the 20 reference prompts of ``tests/fixtures/gpu_oracle_tokens.json``:
 prefill-logit error of our engine in bf16 (CUDA) vs fp32 (CUDA), the same for transformers'
 model in bf16 vs fp32, and how many prompts keep all 32 greedy tokens when only the dtype changes,
 for both implementations. If transformers loses as many prompts in bf16 as we do, the 18/20
 target is not reachable with random weights and says nothing about the engine.
+
+Usage (CUDA GPU): ``python bench/bf16_diag.py [CKPT_DIR]``; prints one JSON object (counts out of 20).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -19,12 +22,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def main() -> None:
+def main(ckpt_dir: Path) -> None:
     from oracle import engine, engine_greedy, make_pair
 
-    refs = json.loads((ROOT / "bench" / "gpu_oracle_tokens.json").read_text())
+    refs = json.loads((ROOT / "tests" / "fixtures" / "gpu_oracle_tokens.json").read_text())
     prompts, n = refs["prompts"], refs["n_new"]
-    ckpt, hf32 = make_pair(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/bf16_diag_ckpt"))
+    ckpt, hf32 = make_pair(ckpt_dir)
     out: dict = {}
     ours = {dt: engine_greedy(engine(ckpt, device="cuda", dtype=dt), prompts, n) for dt in ("float32", "bfloat16")}
     out["engine_bf16_equals_engine_fp32"] = sum(a == b for a, b in zip(ours["bfloat16"], ours["float32"]))
@@ -62,5 +65,13 @@ def main() -> None:
     print(json.dumps(out, indent=1))
 
 
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("ckpt_dir", nargs="?", type=Path, default=Path("/tmp/bf16_diag_ckpt"),
+                    help="where to write the tiny checkpoint (default: %(default)s)")
+    return ap.parse_args(argv)
+
+
 if __name__ == "__main__":
-    main()
+    main(_args().ckpt_dir)

@@ -1,7 +1,8 @@
 """Side-by-side sparse NoPE MLA decode: our Triton kernel vs FlashInfer's MLA (FA3 on SM90) vs the torch reference.
 
-``python bench/flashinfer_bench.py [OUT.json]`` (default ``$OUT/flashinfer_results.json``), on a CUDA GPU
-with flashinfer-python installed. Same inputs for every implementation: 64 heads, 512-wide latent,
+``python bench/flashinfer_bench.py [OUT.json]`` (default ``bench/out/flashinfer_mla_kernels.json``), on a
+CUDA GPU with flashinfer-python installed. ``python bench/render_results.py --mla-kernels OUT.json`` adds
+the table to the rendered results. Same inputs for every implementation: 64 heads, 512-wide latent,
 N query rows x K = 2051 selected rows drawn from a 4M-row bf16 cache, N in {1, 8, 64, 256}.
 
 Per implementation and N: µs per call (median of ``triton.testing.do_bench``), both launched eagerly
@@ -14,6 +15,8 @@ and every output is checked against the reference so a fast wrong kernel cannot 
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
 import os
 import platform
@@ -25,7 +28,8 @@ import triton
 import triton.testing
 
 from glm5_kernels.flashinfer_mla import FLASHINFER_VERSION_TESTED, FlashInferSparseMLA
-from glm5_kernels.sparse_mla_decode import decode_bytes, decode_flops, sparse_mla_decode, sparse_mla_decode_ref
+from glm5_kernels.sparse_mla_decode import decode_bytes, decode_flops, sparse_mla_decode
+from glm5_kernels.sparse_mla_ref import sparse_mla_decode_ref
 
 H, R, K, SLOTS = 64, 512, 2051, 1 << 22
 SCALE = 256 ** -0.5
@@ -50,8 +54,7 @@ def _us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
 
 
-def main() -> None:
-    out_path = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.environ.get("OUT", "."), "flashinfer_results.json")
+def main(out_path: str) -> None:
     import flashinfer
 
     n_bytes = 1 << 30
@@ -99,6 +102,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()
     result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "flashinfer": flashinfer.__version__, "flashinfer_tested": FLASHINFER_VERSION_TESTED,
         "flashinfer_backend": fi.backend, "python": platform.python_version(),
@@ -113,5 +118,13 @@ def main() -> None:
     print(f"wrote {out_path}")
 
 
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", nargs="?", default="bench/out/flashinfer_mla_kernels.json", help="JSON file to write "
+                    "(default: %(default)s)")
+    return ap.parse_args(argv)
+
+
 if __name__ == "__main__":
-    main()
+    main(_args().out)

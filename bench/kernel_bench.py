@@ -1,26 +1,36 @@
 """Micro-benchmark of the Triton kernels against their torch references and the copy roofline.
 
-``python bench/kernel_bench.py OUT.json``: sparse NoPE MLA decode (64 heads, 512 latent, 2051 selected
+Usage (CUDA GPU): ``python bench/kernel_bench.py OUT.json``: sparse NoPE MLA decode (64 heads, 512 latent, 2051 selected
 rows from a 4M-row cache) at several batch sizes; achieved bytes/s vs the measured copy bandwidth.
 
 ``python bench/kernel_bench.py --small OUT.json``: the latency-bound decode kernels at the bench shapes,
-each replayed from a CUDA graph: the index selection (radix select vs the ``torch.topk`` it replaced) at
+each replayed from a CUDA graph: the index selection (radix select vs a plain ``torch.topk``) at
 context 1K/8K/32K over the 32K-wide block table, sparse MLA with and without valid counts and several
 split/tile choices, and the mHC projection's split-K choices: the data for choosing those defaults.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
 import sys
 
 import torch
 import triton.testing
 
-from glm5_kernels.sparse_mla_decode import decode_bytes, decode_flops, sparse_mla_decode, sparse_mla_decode_ref
+from glm5_kernels.sparse_mla_decode import decode_bytes, decode_flops, sparse_mla_decode
+
+from glm5_kernels.sparse_mla_ref import sparse_mla_decode_ref
 
 
-def main() -> None:
+def _run_info() -> dict:
+    """What the result was measured on and with which command (kept in every output JSON)."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv)}
+
+
+def main(out: str) -> None:
     n_bytes = 1 << 30
     a = torch.empty(n_bytes, dtype=torch.uint8, device="cuda").random_()
     b = torch.empty_like(a)
@@ -39,7 +49,8 @@ def main() -> None:
                      "GBps": by / t_k / 1e6, "frac_copy_bw": by / (t_k * 1e-3) / bw,
                      "TFLOPs": decode_flops(n, k, r, h) / t_k / 1e9})
         print(json.dumps(rows[-1]))
-    json.dump({"copy_bw_Bps": bw, "rows": rows}, open(sys.argv[1], "w"), indent=1)
+    with open(out, "w") as f:
+        json.dump({**_run_info(), "copy_bw_Bps": bw, "rows": rows}, f, indent=1)
 
 
 def graph_us(fn, reps: int = 200) -> float:
@@ -52,7 +63,7 @@ def graph_us(fn, reps: int = 200) -> float:
     return triton.testing.do_bench(g.replay, rep=reps, return_mode="median") * 1000.0
 
 
-def small() -> None:
+def small(out: str) -> None:
     from glm5_kernels.indexer import select_token_slots
     from glm5_kernels.mhc import mhc_pre
 
@@ -110,8 +121,18 @@ def small() -> None:
                 row[f"s{splits}_k{bk}_us"] = graph_us(lambda: mhc_pre(streams, fn, base, scale, n_hc, 1e-6, 1e-5, 20,
                                                                       w, 1e-5, splits=splits, block_k=bk))
         log(row)
-    json.dump({"rows": rows}, open(sys.argv[-1], "w"), indent=1)
+    with open(out, "w") as f:
+        json.dump({**_run_info(), "rows": rows}, f, indent=1)
+
+
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", help="JSON file to write (one row per kernel and shape)")
+    ap.add_argument("--small", action="store_true", help="the latency-bound decode kernels instead of sparse MLA")
+    return ap.parse_args(argv)
 
 
 if __name__ == "__main__":
-    small() if "--small" in sys.argv else main()
+    args = _args()
+    small(args.out) if args.small else main(args.out)

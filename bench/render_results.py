@@ -1,12 +1,19 @@
-"""Render ``bench/results.json`` (from ``bench/bench.py``) as the tables of ``bench/RESULTS.md``.
+"""Render a ``bench/bench.py`` results JSON as the markdown tables of ``bench/results/RESULTS.md``.
 
-``finalize(res)`` adds the derived per-row fields the issue asks for (``step_ms``, ``roofline_fraction``,
-``peak_fraction``, the bench config) so the JSON is self-describing; ``render`` writes the markdown tables and
-``plot_decode`` draws ``bench/decode.png`` (generated, not committed).
-Analysis text (targets, profile evidence) is kept in ``bench/RESULTS_NOTES.md`` and appended verbatim.
+What it shows: for the recorded H200 run (date, GPU, torch, command, backends), the measured ceilings,
+decode step time against the memory roofline per batch and context, prefill throughput against the
+bf16 matmul peak, transformers' decode in the same run, and (when present) the decode-attention backend
+comparison and the sparse-MLA kernel side-by-side, each labelled with the run it came from.
 
-Usage: ``python bench/render_results.py results.json [--hf other_run.json] [--flashinfer other_run.json]``
-(``--hf`` / ``--flashinfer`` take transformers' row and the per-backend decode rows from another run).
+``finalize(res)`` adds the derived per-row fields (``step_ms``, ``roofline_fraction``, ``peak_fraction``)
+so the JSON is self-describing; ``render`` writes the markdown and ``plot_decode`` draws
+``bench/results/decode.png`` (generated, not committed). The hand-written "what limits it" analysis of the
+recorded numbers lives in ``bench/results/limits.md`` (beside the JSON) and is appended verbatim.
+
+Usage: ``python bench/render_results.py [RESULTS_JSON] [--hf RUN.json] [--flashinfer RUN.json]
+[--mla-kernels FLASHINFER_BENCH.json]`` (default ``bench/results/results.json``; the flags copy
+transformers' rows, the per-backend decode rows or the kernel side-by-side from another run into it).
+This module imports nothing from ``bench.py`` (``bench.py`` imports it), so the two never import each other.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+RESULTS_DIR = HERE / "results"
+NOTES_FILE = "limits.md"   # beside the results JSON
 
 
 def finalize(res: dict) -> dict:
@@ -33,10 +42,6 @@ def finalize(res: dict) -> dict:
     hf = res.get("hf")
     if hf and "step_s" in hf:
         hf["tok_s"] = hf.get("batch", 1) / hf["step_s"]
-    if "config" not in res:
-        sys.path.insert(0, str(HERE))
-        from bench import bench_config_dict
-        res["config"] = bench_config_dict()["text_config"]
     return res
 
 
@@ -83,7 +88,9 @@ def backend_table(rows: list[dict]) -> list[str]:
 
 
 def mla_kernel_table(k: dict) -> list[str]:
-    out = [f"Run on {k['device']} (`bench/flashinfer_bench.py`, FlashInfer {k['flashinfer']} `{k['flashinfer_backend']}`): "
+    when = f"Run {k['date']} on {k['device']}" if k.get("date") else f"Run on {k['device']}"
+    out = [f"{when} (`{k.get('command', 'bench/flashinfer_bench.py')}`, FlashInfer {k['flashinfer']} "
+           f"`{k['flashinfer_backend']}`): "
            f"64 heads x 512 latent, 2051 selected rows per query from a {k['rows'][0]['cache_rows'] // 2**20}M-row "
            "bf16 cache; µs per call in CUDA-graph replay; relative error vs the fp32 torch reference.", "",
            "| queries | Triton µs | GB/s | FlashInfer µs | GB/s | FlashInfer plan µs (host) | rel err Triton / FlashInfer |",
@@ -95,14 +102,15 @@ def mla_kernel_table(k: dict) -> list[str]:
     return out
 
 
-def render(res: dict, path: Path) -> None:
+def render(res: dict, path: Path, notes: Path | None = None) -> None:
+    """Write the markdown for ``res`` to ``path``; ``notes`` (a markdown file) is appended verbatim."""
     c = res["ceilings"]
     b = res.get("backends", {})
     lines = [
         "# Benchmark results (H200)", "",
         f"Run {res['date']} on {res['gpu']} (torch {res['torch']}); backends: "
         + ", ".join(f"{k} `{v}`" for k, v in b.items()) + ".", "",
-        f"Command: `{res['command']}` (through the device tool; bench config in the `bench/bench.py` docstring: "
+        f"Command: `{res['command']}` (bench config in the `bench/bench.py` docstring: "
         "model-spec §1.1 per-layer shapes, 8 layers = 6 KDA + 2 MLA, 3 dense + 5 MoE, dummy bf16 weights).", "",
         f"Ceilings measured in the same run: device copy **{c['copy_bw_Bps'] / 1e12:.2f} TB/s** (bytes read + "
         f"written), bf16 8192³ matmul **{c['matmul_bf16_flops'] / 1e12:.0f} TFLOP/s**.", "",
@@ -111,15 +119,16 @@ def render(res: dict, path: Path) -> None:
         *decode_table(res["decode"]), "",
         "Roofline = bytes the step must move (non-routed weights incl. LM head, the routed experts this "
         "step's routing touched, fp32 KDA state read+write, selected latent rows, pooled index keys "
-        "scanned) / measured copy bandwidth. Plot: `bench/decode.png` (engine vs roofline tok/s), drawn from "
-        "`bench/results.json` by `python bench/render_results.py bench/results.json` (needs matplotlib).", "",
+        "scanned) / measured copy bandwidth. Plot (engine vs roofline tok/s, not committed): "
+        "`python bench/render_results.py` draws `bench/results/decode.png` from `bench/results/results.json` "
+        "(needs matplotlib).", "",
         "## Prefill (one request, chunked by 4096 tokens)", "",
         *prefill_table(res), "",
     ]
     if res.get("decode_flashinfer"):
         src = res.get("decode_flashinfer_run", "this run")
         lines += ["## Decode attention backends end to end (CUDA graphs)", "",
-                  f"Same weights, cache and staged inputs, one process ({src}).", "",
+                  f"Same weights, cache and staged inputs, one process: {src}.", "",
                   *backend_table(res["decode_flashinfer"]), ""]
     if res.get("mla_kernels"):
         lines += ["## Sparse NoPE MLA decode kernel: Triton vs FlashInfer (same inputs)", "",
@@ -145,8 +154,7 @@ def render(res: dict, path: Path) -> None:
             lines += ["", f"Largest batch transformers survived (of those tried): **{hf['largest_batch_survived']}**."]
         if hf.get("batches"):
             lines += [""]
-    notes = HERE / "RESULTS_NOTES.md"
-    if notes.exists():
+    if notes is not None and notes.exists():
         lines += [notes.read_text().rstrip(), ""]
     path.write_text("\n".join(lines))
 
@@ -178,15 +186,18 @@ def plot_decode(res: dict, path: Path) -> str | None:
     return None
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("results", type=Path)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", type=Path, nargs="?", default=RESULTS_DIR / "results.json",
+                    help="bench/bench.py results JSON; the finalized JSON is written back (default: %(default)s)")
     ap.add_argument("--hf", type=Path, help="take transformers' row from this results.json")
     ap.add_argument("--flashinfer", type=Path, help="take the per-backend decode rows from this results.json")
     ap.add_argument("--mla-kernels", type=Path, help="bench/flashinfer_bench.py output to include")
-    ap.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
-    ap.add_argument("--plot", type=Path, default=HERE / "decode.png", help="where to draw the decode plot")
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, help="markdown to write (default: RESULTS.md beside the results JSON)")
+    ap.add_argument("--plot", type=Path, help="where to draw the decode plot (default: decode.png beside the JSON)")
+    ap.add_argument("--notes", type=Path, help=f"markdown appended verbatim (default: {NOTES_FILE} beside the JSON)")
+    args = ap.parse_args(argv)
+    here = args.results.resolve().parent
     res = json.loads(args.results.read_text())
     for flag, key, label in ((args.hf, "hf", "hf_run"), (args.flashinfer, "decode_flashinfer", "decode_flashinfer_run")):
         if flag:
@@ -196,11 +207,11 @@ def main() -> int:
     if args.mla_kernels:
         res["mla_kernels"] = json.loads(args.mla_kernels.read_text())
     res = finalize(res)
-    render(res, args.out)
-    note = plot_decode(res, args.plot)
+    render(res, args.out or here / "RESULTS.md", args.notes or here / NOTES_FILE)
+    note = plot_decode(res, args.plot or here / "decode.png")
     if note:
         print(note, file=sys.stderr)
-    args.results.write_text(json.dumps(res, indent=1, default=str))
+    args.results.write_text(json.dumps(res, indent=1, default=str) + "\n")
     return 0
 
 

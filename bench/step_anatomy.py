@@ -1,6 +1,6 @@
 """Where a batch-1 decode step's time goes beyond its kernels, and how much an 8K prefill varies run to run.
 
-``python bench/step_anatomy.py OUT.json`` (H200, bench config of ``bench.py``): for the b1 ctx-1K decode
+``python bench/step_anatomy.py OUT.json`` (CUDA GPU, bench config of ``bench.py``): for the b1 ctx-1K decode
 graph it times, over 50 steps each, (a) host staging alone (``DecodeStager.stage``, pinned writes + H2D
 enqueue), (b) ``graph.replay()`` measured by CUDA events on the stream (the graph's GPU span: kernels plus
 the gaps between them), (c) the whole step as ``bench.py`` times it (stage + replay + sync), and the summed
@@ -10,6 +10,8 @@ that a median of three hides.
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
 import sys
 import time
@@ -21,10 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import Setup, decode_rows, kernel_profile, median, prefill_once  # noqa: E402
 
 
-def main() -> None:
+def main(out_path: Path) -> None:
     from glm5.engine.cuda_graph import DecodeAttentionPlanner, DecodeGraphRunner, DecodeStager
 
-    out: dict = {}
+    out: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv)}
     s = Setup(1, 32768)
     s.recording = False
     stager = DecodeStager(s.cache, 1, s.blocks_per_req, torch.device("cuda"))
@@ -68,8 +71,15 @@ def main() -> None:
     out["prefill_8192_s"] = times
     out["prefill_8192_tflops"] = [s.prefill_flops(8192) / t / 1e12 for t in times]
     print(json.dumps(out), flush=True)
-    Path(sys.argv[1]).write_text(json.dumps(out, indent=1))
+    out_path.write_text(json.dumps(out, indent=1))
+
+
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path, help="JSON file to write")
+    return ap.parse_args(argv)
 
 
 if __name__ == "__main__":
-    main()
+    main(_args().out)

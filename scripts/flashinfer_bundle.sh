@@ -1,25 +1,25 @@
 #!/usr/bin/env bash
-# Prepare FlashInfer for the offline H200 box: a pruned, xz-compressed copy of the flashinfer-python
-# package plus the apache-tvm-ffi wheel it imports, small enough to travel with the working tree.
+# Prepare FlashInfer for a GPU machine without network: a pruned, xz-compressed copy of the
+# flashinfer-python package plus the apache-tvm-ffi wheel it imports, small enough to copy along with
+# a checkout.
 #
 # Why pruned: the flashinfer-python 0.7.2.post1 wheel is 59 MiB (426 MB unpacked, 258 MB of it CUDA
-# sources under flashinfer/data/csrc for every kernel family), and the device machine takes at most
-# 64 MiB of carried files. We keep the whole Python package and the header trees (cutlass, cccl,
-# flashinfer/include, spdlog: they compress ~15x), and from data/csrc only the sources of the JIT
-# modules this project builds - batch MLA (fa3 = SM90, fa2 = SM80+) and sampling - plus every csrc
-# file they #include (transitively, over-approximated: every #include line counts, whatever #if
-# surrounds it). Result: ~17 MiB on disk.
+# sources under flashinfer/data/csrc for every kernel family). We keep the whole Python package and the
+# header trees (cutlass, cccl, flashinfer/include, spdlog: they compress ~15x), and from data/csrc only
+# the sources of the JIT modules this project builds - batch MLA (fa3 = SM90, fa2 = SM80+) and
+# sampling - plus every csrc file they #include (transitively, over-approximated: every #include line
+# counts, whatever #if surrounds it). Result: ~17 MiB on disk.
 #
-# Usage: scripts/flashinfer_bundle.sh [OUT_DIR]    (default: .fi in the repo root; git-ignore it)
+# Usage: scripts/flashinfer_bundle.sh [OUT_DIR]    (default: .fi in the repo root, git-ignored)
 #   FI_PREBUILT=DIR  also copy compiled modules (*.so from `python -m glm5_kernels.flashinfer_mla --warmup
 #                    --export DIR` on an H200 with the same flashinfer + CUDA 13) into OUT_DIR/prebuilt/;
-#                    on the device, `python3 -m glm5_kernels.flashinfer_mla --install-prebuilt .fi/prebuilt/*.so`
-#                    makes them load with no nvcc run (saves the ~90 s first-use JIT; 6 MiB).
-# Device side (no network):
+#                    on the GPU machine they load with no nvcc run (saves the ~90 s first-use JIT; 6 MiB).
+# On the GPU machine, scripts/gpu_check.sh unpacks .fi and installs the prebuilt modules; by hand:
 #   mkdir -p /tmp/site && tar -xJf .fi/flashinfer-*-pruned.tar.xz -C /tmp/site \
 #   && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .fi/apache_tvm_ffi-*.whl \
-#   && export PYTHONPATH=/tmp/site:$PYTHONPATH
-# Needs here: python3 with pip (pip download works on this machine), tar, xz.
+#   && export PYTHONPATH=/tmp/site:$PYTHONPATH \
+#   && python3 -m glm5_kernels.flashinfer_mla --install-prebuilt .fi/prebuilt/*.so
+# Needs here: python3 with pip and network (pip download), tar, xz.
 set -euo pipefail
 
 FI_VERSION="${FI_VERSION:-0.7.2.post1}"
@@ -112,4 +112,4 @@ if [ -n "${FI_PREBUILT:-}" ]; then
     mkdir -p "$OUT/prebuilt" && rm -f "$OUT"/prebuilt/*.so && cp "$FI_PREBUILT"/*.so "$OUT/prebuilt/"
 fi
 ( cd "$OUT" && sha256sum flashinfer-*-pruned.tar.xz apache_tvm_ffi-*.whl > SHA256SUMS && du -b flashinfer-*-pruned.tar.xz apache_tvm_ffi-*.whl )
-echo "bundle ready in $OUT ($(du -sh "$OUT" | cut -f1)); carry it with the device call (carry: [\"${OUT#$ROOT/}\"])" >&2
+echo "bundle ready in $OUT ($(du -sh "$OUT" | cut -f1)); copy it to the GPU machine's checkout as ${OUT#$ROOT/}" >&2

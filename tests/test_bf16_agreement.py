@@ -1,40 +1,36 @@
-"""bf16 vs fp32 greedy agreement of the engine on a *trained* tiny checkpoint (issue 7, CPU side).
+"""bf16 vs fp32 greedy agreement of the engine on a *trained* tiny checkpoint (CPU side).
 
 A random checkpoint cannot test this: its top-1/top-2 logit margins are ~0.1, so bf16 rounding
 flips greedy tokens early even in transformers' own model (0/20 prompts keep their fp32 tokens;
-``bench/bf16_diag_run1.log``). ``bench/train_tiny.py`` trains the same tiny architecture on the
-tokenizer's corpus until its predictions are confident; on that model a correct bf16 engine keeps
+``bench/bf16_diag.py`` measures it). ``glm5.trained_tiny_checkpoint`` trains the same tiny
+architecture on the tokenizer's corpus until its predictions are confident; on that model a correct bf16 engine keeps
 the fp32 greedy tokens, and a bf16 bug (a lost fp32 accumulation, a wrong cast) would not.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+from glm5 import trained_tiny_checkpoint as trained_tiny
 
-import train_tiny  # noqa: E402  (bench/ is not a package)
-
-#: Issue 7's bar: at least this many of the 20 prompts keep all 32 fp32 greedy tokens in bf16.
+#: The target: at least this many of the 20 prompts keep all 32 fp32 greedy tokens in bf16.
 MIN_AGREE = 18
 
 
 @pytest.fixture(scope="session")
 def trained_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The trained tiny checkpoint (seed 0, default steps), built once per test session."""
-    return train_tiny.train_tiny_checkpoint(tmp_path_factory.mktemp("tiny_trained") / "ckpt")
+    return trained_tiny.train_tiny_checkpoint(tmp_path_factory.mktemp("tiny_trained") / "ckpt")
 
 
 @pytest.fixture(scope="session")
 def fp32_tokens(trained_checkpoint: Path) -> tuple[list[list[int]], list[list[int]]]:
-    prompts = train_tiny.agreement_prompts(_vocab(trained_checkpoint))
-    return prompts, train_tiny.greedy_tokens(trained_checkpoint, prompts, "float32")
+    prompts = trained_tiny.agreement_prompts(_vocab(trained_checkpoint))
+    return prompts, trained_tiny.greedy_tokens(trained_checkpoint, prompts, "float32")
 
 
 def _vocab(ckpt: Path) -> int:
@@ -42,7 +38,7 @@ def _vocab(ckpt: Path) -> int:
 
 
 def test_training_makes_predictions_confident(trained_checkpoint):
-    rep = json.loads((trained_checkpoint / train_tiny.REPORT_FILE).read_text())
+    rep = json.loads((trained_checkpoint / trained_tiny.REPORT_FILE).read_text())
     print(f"margin {rep['margin_before']:.3f} -> {rep['margin_after']:.3f}, accuracy {rep['accuracy_before']:.3f} "
           f"-> {rep['accuracy_after']:.3f}, loss {rep['loss_curve'][0][1]} -> {rep['loss_curve'][-1][1]}, "
           f"{rep['seconds']} s")
@@ -69,7 +65,7 @@ def test_fp32_engine_matches_transformers_on_trained_weights(trained_checkpoint,
     mask-free forward (the oracle's math; ``tests/oracle.py``) predicts every one of those tokens.
     One teacher-forced forward per prompt is the same check as cached greedy decoding, without its
     per-token cost."""
-    hf = train_tiny.load_transformers_model(trained_checkpoint, "cpu").eval()
+    hf = trained_tiny.load_transformers_model(trained_checkpoint, "cpu").eval()
     prompts, tokens = fp32_tokens
     for i in (0, 6, 12, 16):  # corpus (3, 110 tokens), random ids (90), unseen text
         p, got = prompts[i], tokens[i]
@@ -80,10 +76,10 @@ def test_fp32_engine_matches_transformers_on_trained_weights(trained_checkpoint,
 
 def test_cpu_bf16_engine_agrees_with_cpu_fp32(trained_checkpoint, fp32_tokens):
     prompts, want = fp32_tokens
-    got = train_tiny.greedy_tokens(trained_checkpoint, prompts, "bfloat16")
+    got = trained_tiny.greedy_tokens(trained_checkpoint, prompts, "bfloat16")
     first = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(got, want)]
     agree = sum(d is None for d in first)
     print(f"cpu bf16 vs cpu fp32 on the trained checkpoint: {agree}/{len(prompts)} prompts agree on all "
-          f"{train_tiny.N_AGREE} tokens; first divergence per prompt {first}")
-    assert all(len(t) == train_tiny.N_AGREE for t in got)
+          f"{trained_tiny.N_AGREE} tokens; first divergence per prompt {first}")
+    assert all(len(t) == trained_tiny.N_AGREE for t in got)
     assert agree >= MIN_AGREE, first

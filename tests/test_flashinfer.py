@@ -1,7 +1,7 @@
 """FlashInfer backend: sparse NoPE MLA decode and sampling vs the torch references.
 
-``gpu`` tests run on the H200 with flashinfer-python installed (README, "FlashInfer (optional GPU
-backend)"); they build FlashInfer's JIT modules on first use. The CPU tests check the fail-fast
+``gpu`` tests run on the H200 with flashinfer-python installed (docs/gpu.md, "FlashInfer
+(optional)"); they build FlashInfer's JIT modules on first use. The CPU tests check the fail-fast
 paths: an explicit FlashInfer setting must raise with the reason when the library is missing or the
 tensors are not on CUDA, never fall back silently.
 """
@@ -117,7 +117,7 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,rows_per_req", [(1, 1), (1, 4), (8, 1), (8, 3), (64, 1), (64, 4)])
 def test_flashinfer_mla_matches_reference(fi_mla, latent, batch, rows_per_req):
-    from glm5_kernels.sparse_mla_decode import sparse_mla_decode_ref
+    from glm5_kernels.sparse_mla_ref import sparse_mla_decode_ref
 
     n = batch * rows_per_req
     seed = 100 * batch + rows_per_req
@@ -141,7 +141,7 @@ def test_flashinfer_mla_matches_reference(fi_mla, latent, batch, rows_per_req):
 def test_flashinfer_mla_cuda_graph_replay_after_replan(fi_mla, latent):
     """Capture run() once, re-plan with different counts (same row count, a padding row included), write
     new inputs into the static tensors and replay: the graph must read the refreshed schedule."""
-    from glm5_kernels.sparse_mla_decode import sparse_mla_decode_ref
+    from glm5_kernels.sparse_mla_ref import sparse_mla_decode_ref
 
     n = 24
     q = torch.empty(n, H, R, device="cuda", dtype=torch.bfloat16)

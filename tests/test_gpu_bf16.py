@@ -1,4 +1,4 @@
-"""bf16 on the GPU vs fp32 on the CPU, on a *trained* tiny checkpoint (issue 7; run on the H200).
+"""bf16 on the GPU vs fp32 on the CPU, on a *trained* tiny checkpoint (run on the H200).
 
 Why trained: see ``tests/test_bf16_agreement.py`` (a random model's margins are too small for any
 bf16 implementation, transformers' included, to keep its fp32 greedy tokens).
@@ -17,17 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-import train_tiny  # noqa: E402  (bench/ is not a package)
+from glm5 import trained_tiny_checkpoint as trained_tiny
 
 pytestmark = pytest.mark.gpu
 MIN_AGREE = 18
@@ -36,30 +32,30 @@ DIAG_PROMPT = 6  # a 110-token corpus window: past the indexer's top-k, so spars
 
 @pytest.fixture(scope="session")
 def trained_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``$GLM5_TRAINED_CKPT`` (a directory written by ``bench/train_tiny.py``, e.g. trained on a CPU box and
+    """``$GLM5_TRAINED_CKPT`` (a directory written by ``python -m glm5.trained_tiny_checkpoint``, e.g. trained on a CPU box and
     carried to the GPU machine) or a fresh one trained here on the GPU."""
     given = os.environ.get("GLM5_TRAINED_CKPT")
     if given:
         return Path(given)
-    return train_tiny.train_tiny_checkpoint(tmp_path_factory.mktemp("gpu_tiny_trained") / "ckpt", device="cuda")
+    return trained_tiny.train_tiny_checkpoint(tmp_path_factory.mktemp("gpu_tiny_trained") / "ckpt", device="cuda")
 
 
 @pytest.fixture(scope="session")
 def prompts(trained_checkpoint: Path) -> list[list[int]]:
     vocab = int(json.loads((trained_checkpoint / "config.json").read_text())["text_config"]["vocab_size"])
-    return train_tiny.agreement_prompts(vocab)
+    return trained_tiny.agreement_prompts(vocab)
 
 
 def test_gpu_bf16_engine_agrees_with_cpu_fp32(trained_checkpoint, prompts):
-    rep = json.loads((trained_checkpoint / train_tiny.REPORT_FILE).read_text())
+    rep = json.loads((trained_checkpoint / trained_tiny.REPORT_FILE).read_text())
     print(f"trained on {rep.get('device', '?')} in {rep['seconds']} s: margin {rep['margin_before']:.3f} -> {rep['margin_after']:.3f}, "
           f"accuracy {rep['accuracy_after']:.3f}")
-    want = train_tiny.greedy_tokens(trained_checkpoint, prompts, "float32", device="cpu")
-    got = train_tiny.greedy_tokens(trained_checkpoint, prompts, "bfloat16", device="cuda")
+    want = trained_tiny.greedy_tokens(trained_checkpoint, prompts, "float32", device="cpu")
+    got = trained_tiny.greedy_tokens(trained_checkpoint, prompts, "bfloat16", device="cuda")
     first = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(got, want)]
     agree = sum(d is None for d in first)
     print(f"cuda bf16 vs cpu fp32 (trained tiny): {agree}/{len(prompts)} prompts agree on all "
-          f"{train_tiny.N_AGREE} tokens; first divergence {first}")
+          f"{trained_tiny.N_AGREE} tokens; first divergence {first}")
     assert agree >= MIN_AGREE, first
 
 
@@ -103,7 +99,7 @@ def _engine_layer_outputs(ckpt: Path, prompt: list[int], dtype: str) -> tuple[li
 
 def _hf_layer_outputs(ckpt: Path, prompt: list[int], dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
     """transformers' per-layer mHC streams [T, hc, H] and final normed hidden [T, H] (mask-free forward)."""
-    hf = train_tiny.load_transformers_model(ckpt, "cuda", dtype).eval()
+    hf = trained_tiny.load_transformers_model(ckpt, "cuda", dtype).eval()
     lm = hf.model.language_model
     layers: list[torch.Tensor] = []
     final: list[torch.Tensor] = []

@@ -1,7 +1,7 @@
 """The engine on a CUDA GPU (run on the H200): oracle agreement and the fla KDA backend.
 
-Reference tokens come from ``bench/gpu_oracle_tokens.json``, computed on CPU in fp32 by
-``bench/make_gpu_refs.py`` (transformers' mask-free greedy decoding = the oracle, and the CPU fp32
+Reference tokens come from ``tests/fixtures/gpu_oracle_tokens.json``, computed on CPU in fp32 by
+``tests/make_gpu_refs.py`` (transformers' mask-free greedy decoding = the oracle, and the CPU fp32
 engine); the checkpoint is rebuilt here and its weight hash must match the one recorded there.
 """
 
@@ -19,7 +19,7 @@ from oracle import engine, engine_greedy
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parent.parent
-REFS = ROOT / "bench" / "gpu_oracle_tokens.json"
+REFS = ROOT / "tests" / "fixtures" / "gpu_oracle_tokens.json"
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def test_fla_kda_matches_torch_reference(n_tok, dtype):
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     from glm5.layers.kda import kda_gate, kda_recurrent
-    from glm5.layers.norms import l2_normalize
+    from glm5_kernels.norms_ref import l2_normalize
 
     gen = torch.Generator().manual_seed(n_tok)
     heads, d, lens, slots = 64, 128, [n_tok, max(1, n_tok // 2)], [5, 2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from glm5.layers.fp8_index import dequantize, encode_keys, fp8_index_scores, hadamard_rotate, quantize_e4m3
+from glm5_kernels.fp8_index_ref import dequantize, encode_keys, fp8_index_scores, hadamard_rotate, quantize_e4m3
 from oracle import engine, engine_greedy, random_prompt
 
 

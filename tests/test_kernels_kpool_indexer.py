@@ -32,10 +32,11 @@ def _interpret(body: str, timeout: int = 300) -> str:
 # shared by the interpreter scripts: bit views and a random layout of several requests' blocks
 _COMMON = """
 import torch
-from glm5_kernels.kpool import kpool_compress_write, kpool_compress_write_ref, kpool_decode_append, kpool_decode_append_ref
-from glm5_kernels.indexer import (indexer_scores, indexer_scores_ref, select_token_slots, select_token_slots_ref,
-                                  count_selected)
-from glm5.layers.fp8_index import encode_keys
+from glm5_kernels.kpool import kpool_compress_write, kpool_decode_append
+from glm5_kernels.kpool_ref import kpool_compress_write_ref, kpool_decode_append_ref
+from glm5_kernels.indexer import indexer_scores, select_token_slots
+from glm5_kernels.indexer_ref import indexer_scores_ref, select_token_slots_ref, count_selected
+from glm5_kernels.fp8_index_ref import encode_keys
 torch.set_num_threads(1)
 
 def bits(t):
@@ -219,8 +220,8 @@ def test_decode_chain_matches_kpool_indexer_visibility_interpreter():
                 req = torch.tensor([r for r, _ in rows])
                 kpool_decode_append(raw, pos, req, bt[req], ker.tail[0], ix.ape, ker.pool_keys[0], None, kp, bs)
                 nc = torch.div(pos + 1, kp, rounding_mode="floor")
-                q = F.linear(q_resid, ix.wq_b).view(n, hi, d)
-                w = F.linear(x, ix.w_heads).float() * hi ** -0.5
+                q = ix.wq_b(q_resid).view(n, hi, d)
+                w = ix.w_heads(x).float() * hi ** -0.5
                 max_pools = mb * (bs // kp)
                 scores = indexer_scores(q, w, ker.pool_keys[0], None, bt, req.int(), nc, bs // kp, d ** -0.5, max_pools,
                                         block_p=16)
@@ -305,23 +306,6 @@ def test_selection_with_fewer_pools_than_n_select_is_dense_causal_interpreter():
     """)
 
 
-def test_pool_members_ref_is_the_indexer_pooling():
-    from glm5.config import TextConfig
-    from glm5.layers.indexer import KPoolIndexer
-    from glm5_kernels.kpool import pool_members_ref
-
-    g = torch.Generator().manual_seed(4)
-    d, kp = 32, 4
-    cfg = TextConfig(hidden_size=16, index_head_dim=d, index_n_heads=2, index_kpool=kp, index_topk=16)
-    w = {f"i.{k}": torch.randn(*s, generator=g) for k, s in
-         [("wq_b.weight", (2 * d, 8)), ("wk.weight", (d, 16)), ("k_norm.weight", (d,)), ("k_norm.bias", (d,)),
-          ("weights_proj.weight", (2, 16)), ("index_kpool_compress_gate", (d, 16)),
-          ("index_kpool_compress_ape", (kp, d))]}
-    ix = KPoolIndexer(w, "i", cfg)
-    members = torch.randn(10, kp, 2 * d, generator=g).bfloat16()
-    assert torch.equal(pool_members_ref(members, ix.ape), ix.pool(members))
-
-
 # ---------------------------------------------------------------------------------------------- GPU
 def _real_layout(n: int, max_pool_count: int, seed: int, dtype=torch.bfloat16):
     """Real-shape decode inputs: 32 heads × 128, kpool 4, block 64 (16 pools per block), rows with pool counts
@@ -364,7 +348,8 @@ def test_pooling_is_bit_identical_to_torch_gpu(fp8):
     kernels use torch CUDA's libdevice exp, IEEE division and member-order fp32 sum, so every bit should match;
     the fp8 Hadamard sum order differs from cuBLAS, which can move a value sitting on a bf16 rounding boundary
     by one ulp — at most a few e4m3 bytes in a million."""
-    from glm5_kernels.kpool import kpool_compress_write, kpool_compress_write_ref
+    from glm5_kernels.kpool import kpool_compress_write
+    from glm5_kernels.kpool_ref import kpool_compress_write_ref
 
     g = torch.Generator(device="cpu").manual_seed(5)
     p, kp, d = 8192, 4, 128
@@ -404,7 +389,8 @@ def test_selection_matches_torch_path_at_real_shape_gpu(n):
     same scores identical; end-to-end selection (Triton scores vs torch scores) ≥ 99.9% overlap — the two fp32
     dot-product sums differ in order, so a pair of pools within ~1e-7 of each other at the 512th place can swap
     (exact ties such as the zero-key pools are unaffected: both give exactly 0)."""
-    from glm5_kernels.indexer import indexer_scores, indexer_scores_ref, select_token_slots, select_token_slots_ref
+    from glm5_kernels.indexer import indexer_scores, select_token_slots
+    from glm5_kernels.indexer_ref import indexer_scores_ref, select_token_slots_ref
 
     c = _real_layout(n, 8192, seed=10 + n)
     nc = torch.div(c["pos"] + 1, c["kp"], rounding_mode="floor")
@@ -426,8 +412,9 @@ def test_selection_matches_torch_path_at_real_shape_gpu(n):
 @pytest.mark.gpu
 def test_fp8_selection_overlap_at_real_shape_gpu():
     """fp8 mode: Triton scores match fp8_index_scores (1e-5), and its selection overlaps exact mode's ≥ 95%."""
-    from glm5.layers.fp8_index import encode_keys
-    from glm5_kernels.indexer import indexer_scores, indexer_scores_ref, select_token_slots, select_token_slots_ref
+    from glm5_kernels.fp8_index_ref import encode_keys
+    from glm5_kernels.indexer import indexer_scores, select_token_slots
+    from glm5_kernels.indexer_ref import indexer_scores_ref, select_token_slots_ref
 
     c = _real_layout(64, 8192, seed=7)
     nc = torch.div(c["pos"] + 1, c["kp"], rounding_mode="floor")
@@ -465,7 +452,7 @@ def test_decode_chain_cuda_graph_replay_gpu(fp8):
     keys = torch.randn(num_blocks * ppb, d, generator=g).to(dev, torch.bfloat16)
     scales = None
     if fp8:
-        from glm5.layers.fp8_index import encode_keys
+        from glm5_kernels.fp8_index_ref import encode_keys
         keys, scales = encode_keys(keys)
     tail = torch.randn(slots, kp, 2 * d, generator=g).to(dev, torch.bfloat16)
     ape = torch.randn(kp, d, generator=g).to(dev)

@@ -1,4 +1,4 @@
-"""Fused mHC pre/post Triton kernels vs ``HyperConnection`` (glm5.layers.mhc) and ``norms.rms_norm``.
+"""Fused mHC pre/post Triton kernels vs their torch reference (glm5_kernels.mhc_ref, with norms_ref.rms_norm).
 
 The interpreter test runs the kernels on CPU under ``TRITON_INTERPRET=1`` at small fp32 shapes (the
 interpreter truncates fp32→bf16 casts instead of rounding to nearest even, so bf16 is checked on the
@@ -67,7 +67,8 @@ def test_mhc_kernels_interpreter_cpu():
     import triton  # noqa: F401  (part of the test extra: must import)
     code = textwrap.dedent(f"""
         import torch
-        from glm5_kernels.mhc import mhc_post, mhc_post_ref, mhc_pre, mhc_pre_ref
+        from glm5_kernels.mhc import mhc_post, mhc_pre
+        from glm5_kernels.mhc_ref import mhc_post_ref, mhc_pre_ref
         import test_kernels_mhc as T
         n, iters, eps, neps = {N}, {ITERS}, {HC_EPS}, {NORM_EPS}
         cases = [(1, 64, None, 16), (7, 64, 4, 16), (7, 48, 3, 32), (17, 64, 1, 64)]
@@ -111,7 +112,8 @@ def fp32_matmul_highest():
 @pytest.mark.parametrize("t", [1, 64, 4096])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_mhc_pre_post_match_reference_gpu(t, dtype, fp32_matmul_highest):
-    from glm5_kernels.mhc import mhc_post, mhc_post_ref, mhc_pre, mhc_pre_ref
+    from glm5_kernels.mhc import mhc_post, mhc_pre
+    from glm5_kernels.mhc_ref import mhc_post_ref, mhc_pre_ref
     h = 4096
     fn, base, scale = _params(N, h, "cuda", t)
     st = _streams(t, N, h, dtype, "cuda", t + 1)
@@ -146,7 +148,8 @@ def test_mhc_pre_post_match_reference_gpu(t, dtype, fp32_matmul_highest):
 @pytest.mark.gpu
 def test_mhc_cuda_graph_replay_gpu():
     """Capture pre(+norm) → post once; replay on new inputs copied into the static buffers."""
-    from glm5_kernels.mhc import mhc_post, mhc_post_ref, mhc_pre, mhc_pre_ref
+    from glm5_kernels.mhc import mhc_post, mhc_pre
+    from glm5_kernels.mhc_ref import mhc_post_ref, mhc_pre_ref
     t, h, dtype = 8, 4096, torch.bfloat16
     fn, base, scale = _params(N, h, "cuda", 5)
     w = torch.ones(h, device="cuda", dtype=dtype)

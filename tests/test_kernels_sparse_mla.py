@@ -33,7 +33,8 @@ def _case(n: int, h: int, r: int, k: int, slots: int, dtype: torch.dtype, device
 @pytest.mark.parametrize("n,k,dtype", [(1, 2051, torch.bfloat16), (4, 2051, torch.bfloat16), (3, 100, torch.float32),
                                        (64, 517, torch.bfloat16)])
 def test_sparse_mla_decode_matches_reference_gpu(n, k, dtype):
-    from glm5_kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_ref
+    from glm5_kernels.sparse_mla_decode import sparse_mla_decode
+    from glm5_kernels.sparse_mla_ref import sparse_mla_decode_ref
     q, lat, idx = _case(n, 64, 512, k, 40000, dtype, "cuda", seed=n * 1000 + k)
     ref = sparse_mla_decode_ref(q.double(), lat.double(), idx, 256 ** -0.5)
     counts = (idx >= 0).sum(1).to(torch.int32)
@@ -50,7 +51,8 @@ def test_sparse_mla_decode_interpreter_cpu():
     import triton  # noqa: F401
     code = textwrap.dedent("""
         import torch
-        from glm5_kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_ref
+        from glm5_kernels.sparse_mla_decode import sparse_mla_decode
+        from glm5_kernels.sparse_mla_ref import sparse_mla_decode_ref
         g = torch.Generator().manual_seed(0)
         q = torch.randn(2, 4, 32, generator=g); lat = torch.randn(50, 32, generator=g)
         idx = torch.stack([torch.randperm(50, generator=g)[:37] for _ in range(2)]); idx[1, 20:] = -1

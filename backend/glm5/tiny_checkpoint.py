@@ -42,6 +42,7 @@ __all__ = [
     "ADDED_TEXT_TOKENS",
     "DEFAULT_LAYER_PATTERN",
     "CHAT_TEMPLATE_PATH",
+    "CORPUS",
     "build_tokenizer",
     "default_text_config",
     "default_vision_config",
@@ -103,9 +104,11 @@ CHAT_TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
 #: BPE merges learned on top of the 256 byte symbols (a few hundred, as the task asks).
 _BPE_VOCAB_TARGET = 256 + 320
 
-# Built-in training text (written for this project): English plus multi-byte UTF-8 so the
-# tokenizer learns merges inside 2-, 3- and 4-byte characters (accents, CJK, emoji).
-_CORPUS = """\
+#: The tiny checkpoint's built-in text (written for this project, fixed, so everything built from
+#: it is offline and deterministic): English plus multi-byte UTF-8 so the tokenizer learns merges
+#: inside 2-, 3- and 4-byte characters (accents, CJK, emoji). The tokenizer is trained on it, and
+#: ``glm5.trained_tiny_checkpoint`` trains the tiny model on it as one cyclic token stream.
+CORPUS = """\
 The quick brown fox jumps over the lazy dog while the server streams tokens to every client.
 A tiny model is enough to test the engine: the numbers are random, but the shapes are real.
 Requests arrive, the scheduler batches them, and the sampler picks the next token for each one.
@@ -154,7 +157,7 @@ def build_tokenizer() -> "tokenizers.Tokenizer":  # noqa: F821 - imported lazily
         special_tokens=[],
     )
     # Repeat the corpus line by line so pair counts (and therefore merges) are stable.
-    tok.train_from_iterator(_CORPUS.splitlines() * 3, trainer=trainer)
+    tok.train_from_iterator(CORPUS.splitlines() * 3, trainer=trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TEXT_TOKENS])
     return tok

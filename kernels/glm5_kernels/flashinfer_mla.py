@@ -33,7 +33,7 @@ read as slot 0 instead of faulting. Output: ``[N, H, R]`` in the query dtype (bf
 the Triton kernel - cast if needed.
 
 Warm-up (JIT): ``python -m glm5_kernels.flashinfer_mla --warmup`` compiles the modules into
-``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer`` (see README, "FlashInfer (optional GPU backend)").
+``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer`` (see docs/gpu.md, "FlashInfer (optional)").
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 #: Float workspace for split-KV partial outputs; FlashInfer documents 128 MiB as the usual size.
 WORKSPACE_BYTES = 128 * 1024 * 1024
-#: Version this module was written and measured against (README; pyproject ``gpu`` extra).
+#: Version this module was written and measured against (docs/gpu.md; pyproject ``gpu`` extra).
 FLASHINFER_VERSION_TESTED = "0.7.2.post1"
 
 
@@ -112,7 +112,7 @@ class FlashInferSparseMLA:
         reason = flashinfer_mla_unavailable_reason(dev)
         if reason is not None:
             raise RuntimeError(f"FlashInferSparseMLA cannot run: {reason}. Install flashinfer-python=="
-                               f"{FLASHINFER_VERSION_TESTED} (README) or use the Triton decode kernel")
+                               f"{FLASHINFER_VERSION_TESTED} (docs/gpu.md) or use the Triton decode kernel")
         if dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"dtype {dtype}: FlashInfer's MLA kernels take bf16 or fp16 (cast the query and cache)")
         if max_rows < 1 or max_k < 1:

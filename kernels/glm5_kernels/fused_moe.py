@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+
 
 logger = logging.getLogger(__name__)
 
@@ -49,43 +49,6 @@ SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on H100/H200
 TILE_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 CONFIG_KEYS = ("BLOCK_SIZE_M",) + TILE_KEYS
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-
-
-# ----------------------------------------------------------------------------------------------
-# torch reference
-# ----------------------------------------------------------------------------------------------
-
-def clamped_swiglu_ref(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """GLM-5.3-Flash SwiGLU: the gate is clamped from above, the up projection on both sides."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-
-
-def fused_moe_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, swiglu_limit: float,
-                  compute_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Per-expert loop (like ``MoE.__call__``'s routed part): ``x [T, H]`` → ``[T, H]``.
-
-    Computes in ``x.dtype`` and returns ``x.dtype`` unless ``compute_dtype`` is given; then each
-    expert's weights are upcast one at a time (no full fp64 copy of the experts) and the result is
-    returned in ``compute_dtype`` — the oracle for tests and the tuner. Host-syncing; not for serving.
-    """
-    dt = compute_dtype or x.dtype
-    t, h = x.shape
-    k = topk_ids.shape[1]
-    acc_dt = torch.float64 if dt == torch.float64 else torch.float32
-    out = torch.zeros(t, h, dtype=acc_dt, device=x.device)
-    flat_e = topk_ids.reshape(-1)
-    token_of = torch.arange(t, device=x.device).repeat_interleave(k)
-    flat_w = topk_weights.reshape(-1).to(acc_dt)
-    xc = x.to(dt)
-    for e in torch.unique(flat_e).tolist():
-        sel = (flat_e == e).nonzero().squeeze(1)
-        toks = token_of[sel]
-        xe = xc[toks]
-        hid = clamped_swiglu_ref(F.linear(xe, w_gate[e].to(dt)), F.linear(xe, w_up[e].to(dt)), swiglu_limit)
-        y = F.linear(hid, w_down[e].to(dt)).to(acc_dt) * flat_w[sel, None]
-        out.index_add_(0, toks, y)
-    return out.to(dt)
 
 
 def moe_forward_flops_bytes(t: int, e_touched: int, h: int, i: int, k: int, elem: int) -> tuple[int, int]:
@@ -493,6 +456,6 @@ def fused_moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
     return y.view(t, top_k, hidden).sum(dim=1)
 
 
-__all__ = ["AlignedRouting", "fused_moe", "fused_moe_ref", "moe_align_block_size", "moe_forward_flops_bytes",
+__all__ = ["AlignedRouting", "fused_moe", "moe_align_block_size", "moe_forward_flops_bytes",
            "get_config", "default_config", "select_config", "load_config_table", "config_file_name",
            "max_padded_rows", "moe_gate_up", "moe_down", "down_config", "CONFIG_DIR"]

@@ -25,79 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from glm5.layers.fp8_index import fp8_index_scores, quantize_e4m3
-from glm5_kernels.kpool import hadamard_matrix, interpreting
-
-
-# ---------------------------------------------------------------------------------------------- references
-def pool_rows(block_tables: torch.Tensor, pools: torch.Tensor, ppb: int) -> torch.Tensor:
-    """Pool-key rows of pool ids ``pools`` for block-table row(s) ``block_tables`` (HybridCache.pool_slots)."""
-    return block_tables.long()[..., pools // ppb] * ppb + pools % ppb
-
-
-def indexer_scores_ref(q: torch.Tensor, head_w: torch.Tensor, pool_keys: torch.Tensor,
-                       pool_scales: torch.Tensor | None, block_tables: torch.Tensor, row_seq: torch.Tensor,
-                       n_complete: torch.Tensor, ppb: int, softmax_scale: float, max_pools: int) -> torch.Tensor:
-    """Reference of :func:`indexer_scores`: per row, gather its pools and score them as
-    :meth:`KPoolIndexer.visible` does; ``[N, max_pools]`` fp32 with ``-inf`` at ``p >= n_complete``."""
-    n = q.shape[0]
-    pools = torch.arange(max_pools, device=q.device)
-    out = torch.empty(n, max_pools, device=q.device, dtype=torch.float32)
-    for i in range(n):
-        bt = block_tables[row_seq[i].long()]
-        rows = pool_rows(bt, pools.clamp(max=block_tables.shape[1] * ppb - 1), ppb)
-        keys = pool_keys[rows]
-        if pool_scales is None:
-            s = torch.relu(torch.matmul(q[i].float(), keys.float().t()) * softmax_scale)    # [h, P]
-            out[i] = torch.matmul(head_w[i].float().unsqueeze(0), s).squeeze(0)
-        else:
-            out[i] = fp8_index_scores(q[i: i + 1], head_w[i: i + 1], keys, pool_scales[rows], softmax_scale)[0]
-    return out.masked_fill(pools[None, :] >= n_complete.long()[:, None], float("-inf"))
-
-
-def select_token_slots_ref(scores: torch.Tensor, n_complete: torch.Tensor, positions: torch.Tensor,
-                           block_tables: torch.Tensor, row_seq: torch.Tensor, n_select: int, kpool: int,
-                           block_size: int) -> torch.Tensor:
-    """Reference of :func:`select_token_slots`, by way of :meth:`KPoolIndexer.visible`'s boolean mask:
-    stable descending sort → chosen pools → chosen token positions (pools ∪ tail) → their latent rows,
-    compacted to the front (in position order), ``-1`` after. Sync-free, so it also serves as the torch path."""
-    n, max_pools = scores.shape
-    device = scores.device
-    nc, pos = n_complete.long(), positions.long()
-    pools = torch.arange(max_pools, device=device)
-    candidate = pools[None, :] < nc[:, None]
-    masked = scores.masked_fill(~candidate, float("-inf"))
-    top = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, : min(n_select, max_pools)]
-    chosen = torch.zeros_like(candidate).scatter_(1, top, True) & candidate               # [N, P]
-    n_tok = (max_pools + 1) * kpool                                   # positions a row can see: < (nc+1)*kpool
-    tok = torch.arange(n_tok, device=device)
-    chosen_tok = torch.zeros(n, n_tok, dtype=torch.bool, device=device)
-    chosen_tok[:, : max_pools * kpool] = chosen.repeat_interleave(kpool, dim=1)
-    chosen_tok |= (tok[None, :] >= (nc * kpool)[:, None]) & (tok[None, :] <= pos[:, None])
-    width = n_select * kpool + kpool - 1
-    order = torch.sort((~chosen_tok).to(torch.int8), dim=1, stable=True).indices[:, :width]   # chosen first
-    if order.shape[1] < width:
-        order = torch.cat([order, order.new_zeros(n, width - order.shape[1])], dim=1)
-    keep = torch.gather(chosen_tok, 1, order) & (torch.arange(width, device=device) < n_tok)[None, :]
-    bt = block_tables.long()[row_seq.long()]
-    blk_col = (order // block_size).clamp(max=bt.shape[1] - 1)
-    slots = torch.gather(bt, 1, blk_col) * block_size + order % block_size
-    return torch.where(keep, slots, torch.full_like(slots, -1)).to(torch.int32)
-
-
-def count_selected(positions: torch.Tensor | Sequence[int] | int, n_select: int,
-                   kpool: int) -> torch.Tensor | list[int] | int:
-    """Valid entries per row of :func:`select_token_slots` for queries at ``positions``:
-    ``min((pos+1)//kpool, n_select)*kpool + (pos+1) % kpool``. Pure arithmetic on the positions, so a host
-    planner (FlashInfer) can size its work without reading the device."""
-    def one(p: int) -> int:
-        return min((p + 1) // kpool, n_select) * kpool + (p + 1) % kpool
-    if isinstance(positions, torch.Tensor):
-        p1 = positions.long() + 1
-        return torch.clamp(torch.div(p1, kpool, rounding_mode="floor"), max=n_select) * kpool + p1 % kpool
-    if isinstance(positions, int):
-        return one(positions)
-    return [one(int(p)) for p in positions]
+from glm5_kernels.fp8_index_ref import quantize_e4m3
+from glm5_kernels.kpool import interpreting
+from glm5_kernels.kpool_ref import hadamard_matrix
 
 
 # ---------------------------------------------------------------------------------------------- scores
@@ -318,7 +248,7 @@ def select_token_slots(scores: torch.Tensor, n_complete: torch.Tensor, positions
 def bench_indexer(n: int = 64, pools: int = 8192, heads: int = 32, d: int = 128, n_select: int = 512,
                   kpool: int = 4, block_size: int = 64, fp8: bool = False, iters: int = 50) -> dict[str, float]:
     """CUDA timing (µs per call) of indexer_scores and select_token_slots at one decode shape (all rows
-    see ``pools`` complete pools). For the lead's benchmarks; needs a GPU."""
+    see ``pools`` complete pools). For benchmarks; needs a GPU."""
     dev = torch.device("cuda")
     ppb = block_size // kpool
     mb = triton.cdiv(pools, ppb)
@@ -329,7 +259,7 @@ def bench_indexer(n: int = 64, pools: int = 8192, heads: int = 32, d: int = 128,
     keys = torch.randn(num_blocks * ppb, d, generator=g).to(dev, torch.bfloat16)
     scales = None
     if fp8:
-        from glm5.layers.fp8_index import encode_keys
+        from glm5_kernels.fp8_index_ref import encode_keys
         keys, scales = encode_keys(keys)
     bt = torch.stack([torch.randperm(num_blocks, generator=g)[:mb] for _ in range(n)]).to(dev, torch.int32)
     row_seq = torch.arange(n, device=dev, dtype=torch.int32)
@@ -358,5 +288,4 @@ def bench_indexer(n: int = 64, pools: int = 8192, heads: int = 32, d: int = 128,
     }
 
 
-__all__ = ["indexer_scores", "indexer_scores_ref", "select_token_slots", "select_token_slots_ref", "count_selected",
-           "pool_rows", "bench_indexer"]
+__all__ = ["indexer_scores", "select_token_slots", "bench_indexer"]

@@ -1,9 +1,9 @@
 """Writing pooled index keys of the kpool indexer (decode append and prefill compress), with torch references.
 
 A pool is ``kpool`` consecutive tokens; its key is the per-channel softmax(gate + ape)-weighted sum of the
-members' index keys (:meth:`glm5.layers.indexer.KPoolIndexer.pool`), stored once in ``pool_keys`` in the model
+members' index keys (:func:`glm5_kernels.kpool_ref.pool_members_ref`), stored once in ``pool_keys`` in the model
 dtype (exact mode) or Hadamard-rotated e4m3 with a power-of-two scale (fp8 mode,
-:func:`glm5.layers.fp8_index.encode_keys`). Layouts are those of :class:`glm5.cache.hybrid_cache.HybridCache`:
+:func:`glm5_kernels.fp8_index_ref.encode_keys`). Layouts are those of :class:`glm5.cache.hybrid_cache.HybridCache`:
 ``tail [num_slots, kpool, 2d]`` holds the raw ``key | gate`` rows of each request's pool in progress, and pool
 ``p`` of a request with block-table row ``bt`` lives at row ``bt[p*kpool // bs] * (bs/kpool) + (p*kpool % bs)/kpool``.
 
@@ -25,7 +25,6 @@ is written by a second launch after every pool is read, so no program reads a ta
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -33,7 +32,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from glm5.layers.fp8_index import E4M3_MAX, MIN_ABSMAX, encode_keys, hadamard_rotate
+from glm5_kernels.fp8_index_ref import E4M3_MAX, MIN_ABSMAX
+from glm5_kernels.kpool_ref import hadamard_matrix
 
 _E4M3 = tl.constexpr(E4M3_MAX)
 _MIN_ABSMAX = tl.constexpr(MIN_ABSMAX)
@@ -42,66 +42,6 @@ _MIN_ABSMAX = tl.constexpr(MIN_ABSMAX)
 def interpreting() -> bool:
     """True under ``TRITON_INTERPRET=1`` (CPU): libdevice math is unavailable there."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@functools.lru_cache(maxsize=16)
-def hadamard_matrix(d: int, device: torch.device) -> torch.Tensor:
-    """``[d, d]`` fp32 block-diagonal matrix of :func:`hadamard_rotate` (``x @ H`` rotates ``x``), made once per
-    device (a host-to-device copy per call could not be graph-captured)."""
-    return hadamard_rotate(torch.eye(d, dtype=torch.float32)).to(device).contiguous()
-
-
-# ---------------------------------------------------------------------------------------------- references
-def pool_members_ref(members: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
-    """members ``[P, kpool, 2d]`` (key | gate) → pooled keys ``[P, d]`` in the members' dtype.
-
-    The math of :meth:`glm5.layers.indexer.KPoolIndexer.pool`: softmax over the members per channel in fp32,
-    probabilities cast to the key dtype, ``(probs * k).sum`` in the key dtype."""
-    d = members.shape[-1] // 2
-    k, g = members.split(d, dim=-1)
-    probs = torch.softmax(g.float() + ape, dim=1).to(k.dtype)
-    return (probs * k).sum(dim=1)
-
-
-def _store_pooled_ref(pooled: torch.Tensor, rows: torch.Tensor, pool_keys: torch.Tensor,
-                      pool_scales: torch.Tensor | None, keep: torch.Tensor | None = None) -> None:
-    """Write pooled keys ``[P, d]`` at ``rows`` (exact or fp8); ``keep`` (bool ``[P]``) leaves rows unchanged."""
-    if pool_scales is None:
-        new, new_scale = pooled.to(pool_keys.dtype), None
-    else:
-        new, new_scale = encode_keys(pooled)
-    if keep is not None:  # conditional write without a host sync (byte views: torch.where lacks fp8)
-        old = pool_keys[rows].view(torch.uint8)
-        new = torch.where(keep[:, None], old, new.view(torch.uint8)).view(pool_keys.dtype)
-        if new_scale is not None:
-            new_scale = torch.where(keep[:, None], pool_scales[rows], new_scale)
-    pool_keys[rows] = new
-    if new_scale is not None:
-        pool_scales[rows] = new_scale
-
-
-def kpool_compress_write_ref(members: torch.Tensor, ape: torch.Tensor, out_rows: torch.Tensor,
-                             pool_keys: torch.Tensor, pool_scales: torch.Tensor | None) -> None:
-    """Reference of :func:`kpool_compress_write`: pool ``members [P, kpool, 2d]`` into ``pool_keys[out_rows]``."""
-    _store_pooled_ref(pool_members_ref(members, ape), out_rows.long(), pool_keys, pool_scales)
-
-
-def kpool_decode_append_ref(raw: torch.Tensor, positions: torch.Tensor, state_slots: torch.Tensor,
-                            block_tables: torch.Tensor, tail: torch.Tensor, ape: torch.Tensor,
-                            pool_keys: torch.Tensor, pool_scales: torch.Tensor | None, kpool: int,
-                            block_size: int) -> None:
-    """Reference of :func:`kpool_decode_append`: rows in order, each one :meth:`KPoolIndexer.write` of a
-    single token — tail row ``pos % kpool`` ← raw, and when ``pos`` ends its pool, pool the slot's tail into
-    pool ``pos // kpool``. Tensor indices only (no host sync), so it also serves as the torch decode path."""
-    ppb = block_size // kpool
-    positions, state_slots = positions.long(), state_slots.long()
-    for i in range(raw.shape[0]):
-        slot, pos = state_slots[i: i + 1], positions[i: i + 1]
-        tail[slot, pos % kpool] = raw[i: i + 1].to(tail.dtype)
-        first = torch.div(pos, kpool, rounding_mode="floor") * kpool
-        row = block_tables[i].long()[first // block_size] * ppb + (first % block_size) // kpool
-        pooled = pool_members_ref(tail[slot], ape)                           # [1, d]
-        _store_pooled_ref(pooled, row, pool_keys, pool_scales, keep=(pos + 1) % kpool != 0)
 
 
 # ---------------------------------------------------------------------------------------------- Triton helpers
@@ -322,5 +262,4 @@ def kpool_decode_append(raw: torch.Tensor, positions: torch.Tensor, state_slots:
                               KP=kpool, D2=d2, num_warps=1 if d2 <= 128 else 2)
 
 
-__all__ = ["kpool_decode_append", "kpool_decode_append_ref", "kpool_compress_write", "kpool_compress_write_ref",
-           "pool_members_ref", "hadamard_matrix", "interpreting"]
+__all__ = ["kpool_decode_append", "kpool_compress_write", "interpreting"]

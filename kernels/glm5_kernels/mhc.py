@@ -1,6 +1,6 @@
 """Fused mHC (manifold-constrained hyper-connection) pre/post kernels, beside thin torch references.
 
-The torch path of :class:`glm5.layers.mhc.HyperConnection` costs ~150 tiny launches per block site
+The torch reference (:mod:`glm5_kernels.mhc_ref`) costs ~150 tiny launches per block site
 (the 20-iteration Sinkhorn alone is 6 ops per iteration), which dominates small-batch decode. Here:
 
 * :func:`mhc_pre` = 2 launches. ``_mhc_proj_kernel`` is a split-K projection of the *un-normalised*
@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from glm5_kernels.mhc_ref import mhc_post_ref, mhc_pre_ref
+
 logger = logging.getLogger(__name__)
 
 _BLOCK_T = 16      # token rows per projection program (tl.dot needs M >= 16) for decode-sized T
@@ -35,39 +37,6 @@ _BLOCK_T_LARGE = 64  # ... and from _LARGE_T rows on (prefill): fewer re-reads o
 _LARGE_T = 512
 _MAX_SPLITS = 64   # split-K programs per row block at most
 _MAX_BLOCK_H = 8192  # the pre kernel keeps a whole collapsed row in registers
-
-
-# ---------------------------------------------------------------------------------------- references
-
-def mhc_pre_ref(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int,
-                eps: float, norm_eps: float, iters: int, block_norm_w: torch.Tensor | None = None,
-                block_norm_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reference for :func:`mhc_pre`: ``HyperConnection.pre`` (+ ``rms_norm`` when a weight is given)."""
-    from types import SimpleNamespace
-
-    from glm5.layers.mhc import HyperConnection
-    from glm5.layers.norms import rms_norm
-
-    cfg = SimpleNamespace(hc_mult=n, hc_eps=eps, rms_norm_eps=norm_eps, hc_sinkhorn_iters=iters)
-    hc = HyperConnection({"p_fn": fn, "p_base": base, "p_scale": scale}, "p", cfg)  # type: ignore[arg-type]
-    x, mix = hc.pre(streams)
-    if block_norm_w is not None:
-        x = rms_norm(x, block_norm_w, _need_eps(block_norm_eps))
-    return x, mix.post, mix.comb
-
-
-def mhc_post_ref(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
-                 comb: torch.Tensor) -> torch.Tensor:
-    """Reference for :func:`mhc_post`: ``HyperConnection.post``."""
-    from glm5.layers.mhc import HyperConnection, HyperMix
-
-    return HyperConnection.post(block_out, streams, HyperMix(post=post, comb=comb))
-
-
-def _need_eps(block_norm_eps: float | None) -> float:
-    if block_norm_eps is None:
-        raise ValueError("block_norm_w given without block_norm_eps; pass the layer's rms_norm_eps")
-    return block_norm_eps
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -193,7 +162,7 @@ def _check_streams(streams: torch.Tensor, n: int) -> tuple[int, int]:
     if streams.dim() != 3 or streams.shape[1] != n:
         raise ValueError(f"streams must be [T, n={n}, H], got {tuple(streams.shape)}")
     if n < 1 or n & (n - 1):
-        raise ValueError(f"hc_mult n={n} must be a power of two for the Triton kernels; use HyperConnection")
+        raise ValueError(f"hc_mult n={n} must be a power of two for the Triton kernels; use glm5_kernels.mhc_ref")
     if not streams.is_contiguous():
         raise ValueError("streams must be contiguous ([T, n, H] row-major); call .contiguous() first")
     return streams.shape[0], streams.shape[2]
@@ -203,9 +172,9 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
             eps: float, norm_eps: float, iters: int, block_norm_w: torch.Tensor | None = None,
             block_norm_eps: float | None = None, splits: int | None = None,
             block_k: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fused ``HyperConnection.pre``: streams ``[T, n, H]`` → ``(x [T, H], post [T, n], comb [T, n, n])``.
+    """Fused :func:`~glm5_kernels.mhc_ref.mhc_pre_ref`: streams ``[T, n, H]`` → ``(x [T, H], post [T, n], comb [T, n, n])``.
 
-    ``fn [n(n+2), nH]``, ``base [n(n+2)]``, ``scale [3]`` are fp32 (as HyperConnection stores them);
+    ``fn [n(n+2), nH]``, ``base [n(n+2)]``, ``scale [3]`` are fp32 (as the layer stores them);
     ``eps`` = hc_eps, ``norm_eps`` = eps of the mHC input norm (rms_norm_eps), ``iters`` = Sinkhorn
     iterations. ``x`` is in the streams dtype; when ``block_norm_w`` is given, ``x`` is instead
     ``rms_norm(x, block_norm_w, block_norm_eps)`` (dtype promoted with the weight's, as in torch).
@@ -215,17 +184,19 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     mix, k = n * (n + 2), n * h
     if fn.shape != (mix, k) or fn.dtype != torch.float32 or not fn.is_contiguous():
         raise ValueError(f"fn must be contiguous fp32 [{mix}, {k}], got {fn.dtype} {tuple(fn.shape)}; pass "
-                         "HyperConnection.fn (already .float())")
+                         "the layer's fp32 fn")
     if base.shape != (mix,) or scale.shape != (3,) or base.dtype != torch.float32 or scale.dtype != torch.float32:
         raise ValueError(f"base must be fp32 [{mix}] and scale fp32 [3], got {base.dtype} {tuple(base.shape)} and "
                          f"{scale.dtype} {tuple(scale.shape)}")
     block_h = triton.next_power_of_2(h)
     if block_h > _MAX_BLOCK_H:
         raise ValueError(f"hidden size {h} > {_MAX_BLOCK_H}: the row kernel holds a row in registers; "
-                         "use HyperConnection.pre for this size")
+                         "use mhc_pre_ref for this size")
     dev = streams.device
     if block_norm_w is not None:
-        beps = _need_eps(block_norm_eps)
+        if block_norm_eps is None:
+            raise ValueError("block_norm_w given without block_norm_eps; pass the layer's rms_norm_eps")
+        beps = block_norm_eps
         if block_norm_w.shape != (h,) or not block_norm_w.is_contiguous():
             raise ValueError(f"block_norm_w must be contiguous [{h}], got {tuple(block_norm_w.shape)}")
         out = torch.empty(t, h, device=dev, dtype=torch.promote_types(streams.dtype, block_norm_w.dtype))
@@ -262,7 +233,7 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
 
 def mhc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
              block_h: int = 512) -> torch.Tensor:
-    """Fused ``HyperConnection.post``: ``X'[j] = post[j]·y + Σ_i comb[i, j]·X[i]`` → ``[T, n, H]``.
+    """Fused :func:`~glm5_kernels.mhc_ref.mhc_post_ref`: ``X'[j] = post[j]·y + Σ_i comb[i, j]·X[i]`` → ``[T, n, H]``.
 
     ``block_out`` ``[T, H]`` and ``streams`` ``[T, n, H]`` share a dtype (the result's); ``post``
     ``[T, n]`` and ``comb`` ``[T, n, n]`` are fp32 and are rounded to that dtype first, as the
@@ -327,4 +298,4 @@ def bench_mhc(tokens: tuple[int, ...] = (1, 8, 64, 4096), h: int = 4096, n: int 
     return rows
 
 
-__all__ = ["mhc_pre", "mhc_post", "mhc_pre_ref", "mhc_post_ref", "bench_mhc"]
+__all__ = ["mhc_pre", "mhc_post", "bench_mhc"]

@@ -22,17 +22,6 @@ import triton
 import triton.language as tl
 
 
-def sparse_mla_decode_ref(q_lat: torch.Tensor, latent: torch.Tensor, idx: torch.Tensor,
-                          scale: float) -> torch.Tensor:
-    """Reference: q_lat [N, H, R], latent [S, R], idx [N, K] int (−1 = unused) → [N, H, R] fp32."""
-    valid = idx >= 0
-    rows = latent[idx.clamp(min=0).long()].float()                      # [N, K, R]
-    s = torch.einsum("nhr,nkr->nhk", q_lat.float(), rows) * scale
-    s = s.masked_fill(~valid[:, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    return torch.einsum("nhk,nkr->nhr", p, rows)
-
-
 @triton.jit
 def _sparse_mla_split_kernel(q_ptr, lat_ptr, idx_ptr, cnt_ptr, o_ptr, m_ptr, l_ptr,
                              scale, K, per_split,
@@ -131,4 +120,4 @@ def decode_flops(n: int, k: int, r: int, h: int) -> int:
     return 4 * n * h * k * r
 
 
-__all__ = ["sparse_mla_decode", "sparse_mla_decode_ref", "decode_bytes", "decode_flops", "math"]
+__all__ = ["sparse_mla_decode", "decode_bytes", "decode_flops"]

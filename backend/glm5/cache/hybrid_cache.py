@@ -57,7 +57,7 @@ class HybridCache:
         nb, bs, ns = cache_cfg.num_blocks + 1, cache_cfg.block_size, cache_cfg.num_state_slots + 1
         mla_layers = cfg.mla_layer_ids if mla_layers is None else mla_layers
         self.latent = {i: torch.zeros(nb * bs, cfg.kv_lora_rank, device=device, dtype=dtype) for i in mla_layers}
-        # exact mode: pooled keys in the model dtype; fp8 mode (glm5.layers.fp8_index): Hadamard-rotated
+        # exact mode: pooled keys in the model dtype; fp8 mode (glm5_kernels.fp8_index_ref): Hadamard-rotated
         # e4m3 keys plus one fp32 power-of-two scale per pool
         self.index_fp8 = index_fp8
         key_dtype = torch.float8_e4m3fn if index_fp8 else dtype

@@ -133,7 +133,7 @@ class DecodeAttentionPlanner:
         if decode_attn_backend(self.device, self.dtype, self.cfg.kv_lora_rank) != "flashinfer":
             return
         from glm5_kernels.flashinfer_mla import FlashInferSparseMLA
-        from glm5_kernels.indexer import count_selected
+        from glm5_kernels.indexer_ref import count_selected
         t = self.cfg
         if self.wrapper is None:
             self.wrapper = FlashInferSparseMLA(t.num_attention_heads, self.max_batch, t.index_topk + t.index_kpool - 1,

@@ -160,7 +160,7 @@ def decode_attn_backend(device: torch.device, dtype: torch.dtype | None = None, 
     FlashInfer's FA3 MLA runs when asked and it can (imports, SM90+, bf16/fp16, a latent width FA3 takes,
     nvcc or prebuilt modules). Why not auto: on the H200 its kernel is 2.4-5.8x faster per call, but a
     decode step with it was slower end to end (CUDA graphs, b1 ctx 8K: 5.81 ms vs 3.99 ms; b64: 20.4 vs
-    19.3 ms) because its host-side plan costs ~1.8 ms per step (bench/RESULTS.md)."""
+    19.3 ms) because its host-side plan costs ~1.8 ms per step (bench/results/RESULTS.md)."""
     want = _requested("decode_attn", DECODE_ATTN_CHOICES)
     if want == "torch":
         return "torch"
@@ -168,7 +168,7 @@ def decode_attn_backend(device: torch.device, dtype: torch.dtype | None = None, 
         err = _flashinfer_error(device, dtype, latent_width)
         if err is not None:
             raise BackendUnavailable(f"decode_attn_backend='flashinfer' cannot run: {err}. Install flashinfer-python "
-                                     "(README: FlashInfer) or set GLM5_DECODE_ATTN_BACKEND=triton|torch")
+                                     "(docs/gpu.md, FlashInfer) or set GLM5_DECODE_ATTN_BACKEND=triton|torch")
         return "flashinfer"
     return _triton_or_torch("decode_attn", DECODE_ATTN_CHOICES, device)  # any dtype: fp32 uses IEEE products
 

@@ -11,15 +11,15 @@ import torch.nn.functional as F
 
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import ModelConfig
-from glm5.layers.backends import mhc_backend
 from glm5.layers.batch import ForwardBatch
 from glm5.layers.kda import KDALayer
+from glm5.layers.linear import Linear
 from glm5.layers.mhc import HyperConnection
 from glm5.layers.mla import MLALayer
 from glm5.layers.mlp import DenseMLP
 from glm5.layers.moe import MoE
-from glm5.layers.norms import rms_norm
 from glm5.layers.vision import VisionTower
+from glm5_kernels.norms_ref import rms_norm
 
 
 class DecoderLayer:
@@ -36,23 +36,10 @@ class DecoderLayer:
         self.eps = t.rms_norm_eps
 
     def __call__(self, streams: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
-        if mhc_backend(streams.device, streams.dtype) == "triton":
-            return self._fused(streams, batch, cache)
-        x, mix = self.attn_hc.pre(streams)
-        streams = HyperConnection.post(self.attn(rms_norm(x, self.in_norm, self.eps), batch, cache), streams, mix)
-        x, mix = self.ffn_hc.pre(streams)
-        return HyperConnection.post(self.mlp(rms_norm(x, self.post_norm, self.eps)), streams, mix)
-
-
-    def _fused(self, streams: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
-        """Same layer with the fused Triton mHC kernels (pre + the block's RMSNorm, post)."""
-        from glm5_kernels.mhc import mhc_post, mhc_pre
-        a, f = self.attn_hc, self.ffn_hc
-        x, post, comb = mhc_pre(streams, a.fn, a.base, a.scale, a.n, a.eps, a.norm_eps, a.iters, self.in_norm, self.eps)
-        streams = mhc_post(self.attn(x, batch, cache), streams, post, comb)
-        x, post, comb = mhc_pre(streams, f.fn, f.base, f.scale, f.n, f.eps, f.norm_eps, f.iters, self.post_norm,
-                                self.eps)
-        return mhc_post(self.mlp(x), streams, post, comb)
+        x, post, comb = self.attn_hc.pre(streams, self.in_norm, self.eps)
+        streams = HyperConnection.post(self.attn(x, batch, cache), streams, post, comb)
+        x, post, comb = self.ffn_hc.pre(streams, self.post_norm, self.eps)
+        return HyperConnection.post(self.mlp(x), streams, post, comb)
 
 
 @dataclass
@@ -68,7 +55,7 @@ class Glm5ForCausalLM:
         self.embed = weights["embed_tokens.weight"]
         self.layers = [DecoderLayer(weights, i, cfg) for i in range(t.num_hidden_layers)]
         self.norm = weights["norm.weight"]
-        self.lm_head = weights["embed_tokens.weight"] if t.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head = Linear(weights["embed_tokens.weight"] if t.tie_word_embeddings else weights["lm_head.weight"])
         self.vision = VisionTower(weights, cfg.vision) if cfg.vision is not None and "visual.patch_embed.proj.weight" in weights else None
         self.weights = weights
 
@@ -90,5 +77,5 @@ class Glm5ForCausalLM:
         for layer in self.layers:
             streams = layer(streams, batch, cache)
         hidden = rms_norm(streams.mean(dim=1), self.norm, self.cfg.text.rms_norm_eps)
-        logits = F.linear(hidden[batch.logits_indices], self.lm_head).float()
+        logits = self.lm_head(hidden[batch.logits_indices]).float()
         return ModelOutput(logits=logits, hidden=hidden)

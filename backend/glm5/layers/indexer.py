@@ -24,8 +24,10 @@ from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import TextConfig
 from glm5.layers.backends import index_backend
 from glm5.layers.batch import DecodeMeta, SeqChunk
-from glm5.layers.fp8_index import encode_keys, fp8_index_scores
-from glm5.layers.norms import layer_norm
+from glm5.layers.linear import Linear
+from glm5_kernels.indexer_ref import index_scores_ref
+from glm5_kernels.kpool_ref import kpool_compress_write_ref
+from glm5_kernels.norms_ref import layer_norm
 
 
 @dataclass
@@ -48,12 +50,12 @@ class TailRecord:
 class KPoolIndexer:
     def __init__(self, weights: dict[str, torch.Tensor], prefix: str, cfg: TextConfig):
         self.cfg = cfg
-        self.wq_b = weights[f"{prefix}.wq_b.weight"]
-        self.wk = weights[f"{prefix}.wk.weight"]
+        self.wq_b = Linear.load(weights, f"{prefix}.wq_b")
+        self.wk = Linear.load(weights, f"{prefix}.wk")
         self.k_norm_w = weights[f"{prefix}.k_norm.weight"]
         self.k_norm_b = weights[f"{prefix}.k_norm.bias"]
-        self.w_heads = weights[f"{prefix}.weights_proj.weight"]
-        self.gate = weights[f"{prefix}.index_kpool_compress_gate"]
+        self.w_heads = Linear.load(weights, f"{prefix}.weights_proj")
+        self.gate = Linear(weights[f"{prefix}.index_kpool_compress_gate"])
         self.ape = weights[f"{prefix}.index_kpool_compress_ape"].float()
         self.kpool = cfg.index_kpool
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
@@ -61,14 +63,8 @@ class KPoolIndexer:
 
     def keys(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token raw index state ``[T, 2*d] = key | gate score``."""
-        k = layer_norm(F.linear(x, self.wk), self.k_norm_w, self.k_norm_b, 1e-6)
-        return torch.cat([k, F.linear(x, self.gate)], dim=-1)
-
-    def pool(self, members: torch.Tensor) -> torch.Tensor:
-        """members [P, kpool, 2d] (key | gate) -> pooled keys [P, d]."""
-        k, g = members.split(self.head_dim, dim=-1)
-        probs = torch.softmax(g.float() + self.ape, dim=1).to(k.dtype)
-        return (probs * k).sum(dim=1)
+        k = layer_norm(self.wk(x), self.k_norm_w, self.k_norm_b, 1e-6)
+        return torch.cat([k, self.gate(x)], dim=-1)
 
     def write(self, raw: torch.Tensor, seq: SeqChunk, cache: HybridCache, layer: int,
               records: dict | None = None) -> None:
@@ -87,21 +83,15 @@ class KPoolIndexer:
         first_pool, end_pool = seq.context_len // kp, seq.total_len // kp
         span = torch.cat([tail[: seq.context_len % kp], raw], dim=0)  # starts at position first_pool*kp
         n_complete = end_pool - first_pool
-        if n_complete > 0 and index_backend(raw.device, raw.dtype) == "triton":
-            from glm5_kernels.kpool import kpool_compress_write
+        if n_complete > 0:
+            members = span[: n_complete * kp].view(n_complete, kp, -1)
             slots = cache.pool_slots(seq.block_table, torch.arange(first_pool, end_pool, device=raw.device))
-            kpool_compress_write(span[: n_complete * kp].view(n_complete, kp, -1).contiguous(), self.ape, slots,
-                                 cache.pool_keys[layer], cache.pool_scales[layer] if cache.index_fp8 else None)
-        elif n_complete > 0:
-            pooled = self.pool(span[: n_complete * kp].view(n_complete, kp, -1))
-            pools = torch.arange(first_pool, end_pool, device=raw.device)
-            slots = cache.pool_slots(seq.block_table, pools)
-            if cache.index_fp8:
-                keys8, scale = encode_keys(pooled)
-                cache.pool_keys[layer][slots] = keys8
-                cache.pool_scales[layer][slots] = scale
+            scales = cache.pool_scales[layer] if cache.index_fp8 else None
+            if index_backend(raw.device, raw.dtype) == "triton":
+                from glm5_kernels.kpool import kpool_compress_write
+                kpool_compress_write(members.contiguous(), self.ape, slots, cache.pool_keys[layer], scales)
             else:
-                cache.pool_keys[layer][slots] = pooled.to(cache.dtype)
+                kpool_compress_write_ref(members, self.ape, slots, cache.pool_keys[layer], scales)
         rest = span[n_complete * kp:]
         tail[: rest.shape[0]] = rest.to(tail.dtype)
 
@@ -147,8 +137,8 @@ class KPoolIndexer:
                 n_complete: torch.Tensor, n_pools: int) -> torch.Tensor:
         """Index scores ``[n, n_pools]`` fp32 of one request's queries over its first ``n_pools`` pools."""
         device = x.device
-        q = F.linear(q_resid, self.wq_b).view(-1, self.n_heads, self.head_dim)
-        w = F.linear(x.to(self.w_heads.dtype), self.w_heads).float() * self.n_heads ** -0.5
+        q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
+        w = self.w_heads(x.to(self.w_heads.weight.dtype)).float() * self.n_heads ** -0.5
         scales = cache.pool_scales[layer] if cache.index_fp8 else None
         if index_backend(device, cache.dtype) == "triton":
             # the kernel reads the pooled keys in place: no [n, heads, pools] fp32 intermediate
@@ -157,11 +147,8 @@ class KPoolIndexer:
             return indexer_scores(q, w, cache.pool_keys[layer], scales, seq.block_table.to(torch.int32)[None], rows,
                                   n_complete, cache.pools_per_block, self.head_dim ** -0.5, n_pools)
         slots = cache.pool_slots(seq.block_table, torch.arange(n_pools, device=device))
-        pooled = cache.pool_keys[layer][slots]
-        if cache.index_fp8:
-            return fp8_index_scores(q, w, pooled, scales[slots], self.head_dim ** -0.5)
-        scores = F.relu(torch.matmul(q.float(), pooled.float().t()) * self.head_dim ** -0.5)  # [n, h, P]
-        return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)  # [n, P]
+        return index_scores_ref(q, w, cache.pool_keys[layer][slots], None if scales is None else scales[slots],
+                                self.head_dim ** -0.5)
 
     # ------------------------------------------------------------------ batched decode
     def decode_select(self, x: torch.Tensor, q_resid: torch.Tensor, raw: torch.Tensor, positions: torch.Tensor,
@@ -178,9 +165,9 @@ class KPoolIndexer:
             from glm5_kernels.indexer import indexer_scores, select_token_slots
             from glm5_kernels.kpool import kpool_decode_append
         else:
-            from glm5_kernels.indexer import indexer_scores_ref as indexer_scores
-            from glm5_kernels.indexer import select_token_slots_ref as select_token_slots
-            from glm5_kernels.kpool import kpool_decode_append_ref as kpool_decode_append
+            from glm5_kernels.indexer_ref import indexer_scores_ref as indexer_scores
+            from glm5_kernels.indexer_ref import select_token_slots_ref as select_token_slots
+            from glm5_kernels.kpool_ref import kpool_decode_append_ref as kpool_decode_append
         kp, bs = self.kpool, cache.block_size
         pool_keys = cache.pool_keys[layer]
         scales = cache.pool_scales[layer] if cache.index_fp8 else None
@@ -188,8 +175,8 @@ class KPoolIndexer:
                             pool_keys, scales, kp, bs)
         n = x.shape[0]
         n_complete = torch.div(positions + 1, kp, rounding_mode="floor")
-        q = F.linear(q_resid, self.wq_b).view(n, self.n_heads, self.head_dim)
-        w = F.linear(x.to(self.w_heads.dtype), self.w_heads).float() * self.n_heads ** -0.5
+        q = self.wq_b(q_resid).view(n, self.n_heads, self.head_dim)
+        w = self.w_heads(x.to(self.w_heads.weight.dtype)).float() * self.n_heads ** -0.5
         row_seq = torch.arange(n, device=x.device, dtype=torch.int32)
         max_pools = meta.block_tables.shape[1] * cache.pools_per_block
         scores = indexer_scores(q, w, pool_keys, scales, meta.block_tables, row_seq, n_complete,

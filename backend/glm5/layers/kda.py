@@ -19,7 +19,8 @@ from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import TextConfig
 from glm5.layers.backends import kda_backend
 from glm5.layers.batch import ForwardBatch
-from glm5.layers.norms import gated_rms_norm, l2_normalize
+from glm5.layers.linear import Linear
+from glm5_kernels.norms_ref import gated_rms_norm, l2_normalize
 
 CHUNK_SIZE = 64
 RECURRENT_MAX_TOKENS = 8  # decode and speculative verification rows use the plain recurrence
@@ -125,33 +126,31 @@ class KDALayer:
         self.heads, self.head_dim = cfg.linear_num_heads, cfg.linear_head_dim
         self.dim = self.heads * self.head_dim
         # fused input projection: q | k | v | f_a | g_a | b
-        self.w_in = torch.cat([weights[f"{p}.q_proj.weight"], weights[f"{p}.k_proj.weight"],
-                               weights[f"{p}.v_proj.weight"], weights[f"{p}.f_a_proj.weight"],
-                               weights[f"{p}.g_a_proj.weight"], weights[f"{p}.b_proj.weight"]])
+        self.in_proj = Linear.concat([Linear.load(weights, f"{p}.{n}_proj") for n in ("q", "k", "v", "f_a", "g_a", "b")])
         self.splits = [3 * self.dim, self.head_dim, self.head_dim, self.heads]
         # depthwise causal conv weights [3D, K] in q|k|v order
         self.conv_w = torch.cat([weights[f"{p}.{n}_conv1d.weight"] for n in ("q", "k", "v")]).squeeze(1)
-        self.f_b = weights[f"{p}.f_b_proj.weight"]
-        self.g_b = weights[f"{p}.g_b_proj.weight"]
+        self.f_b = Linear.load(weights, f"{p}.f_b_proj")
+        self.g_b = Linear.load(weights, f"{p}.g_b_proj")
         self.a_log = weights[f"{p}.A_log"]
         self.dt_bias = weights[f"{p}.dt_bias"]
         self.o_norm = weights[f"{p}.o_norm.weight"]
         self.a_log_flat = self.a_log.float().reshape(-1).contiguous()      # [H] for fla's in-kernel gate
         self.dt_bias_flat = self.dt_bias.float().reshape(-1).contiguous()  # [H * d]
-        self.o_proj = weights[f"{p}.o_proj.weight"]
+        self.o_proj = Linear.load(weights, f"{p}.o_proj")
         self._conv_inputs: dict[int, torch.Tensor] = {}  # recording chunks' conv inputs, per state slot
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
-        proj = F.linear(x, self.w_in)
+        proj = self.in_proj(x)
         mixed, f_a, g_a, b = proj.split(self.splits, dim=-1)
-        f = F.linear(f_a, self.f_b)
-        gate = F.linear(g_a, self.g_b)
+        f = self.f_b(f_a)
+        gate = self.g_b(g_a)
         conv_state, rec_state = cache.conv[self.layer], cache.recurrent[self.layer]
         if batch.decode is not None:
             core = self._core_decode(mixed, f, b, batch.decode.state_slots, conv_state, rec_state)
             y = gated_rms_norm(core.to(x.dtype), gate.view(-1, self.heads, self.head_dim), self.o_norm,
                                self.cfg.rms_norm_eps)
-            return F.linear(y.reshape(x.shape[0], self.dim), self.o_proj)
+            return self.o_proj(y.reshape(x.shape[0], self.dim))
         if kda_backend(x.device, x.dtype) == "fla" and not any(s.record_states for s in batch.seqs):
             core = self._core_fla(mixed, f, b, batch, conv_state, rec_state)
         else:
@@ -162,7 +161,7 @@ class KDALayer:
             core = self._core_torch(mixed, g, torch.sigmoid(b).float(), batch, conv_state, rec_state)
         y = gated_rms_norm(core.to(x.dtype), gate.view(-1, self.heads, self.head_dim), self.o_norm,
                            self.cfg.rms_norm_eps)
-        return F.linear(y.reshape(x.shape[0], self.dim), self.o_proj)
+        return self.o_proj(y.reshape(x.shape[0], self.dim))
 
     # ------------------------------------------------------------------ conv + core recurrence
     def _conv(self, mixed: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor) -> torch.Tensor:

@@ -1,27 +1,18 @@
-"""mHC (manifold-constrained hyper-connections): the residual stream is ``hc_mult`` streams.
+"""mHC (manifold-constrained hyper-connections) at one block site: its weights and the choice of path.
 
-Each block site (attention, FFN) computes from the flattened, weight-less-RMS-normalised streams
-three token-dependent mixings: ``pre`` collapses the streams into the block input, ``post`` spreads
-the block output back, ``comb`` (Sinkhorn-projected to doubly stochastic, column normalisation
-first) mixes the old streams — applied *transposed*: ``X'[j] = post[j]·y + Σ_i comb[i, j]·X[i]``.
-All mapping math is fp32 (model-spec §7).
+The residual stream is ``hc_mult`` streams; ``pre`` collapses them into the block input (and applies the
+decoder layer's RMSNorm), ``post`` spreads the block output back and mixes the old streams. The math lives in
+:mod:`glm5_kernels.mhc_ref` (torch, the reference) and :mod:`glm5_kernels.mhc` (two fused Triton launches);
+this class picks one by :func:`glm5.layers.backends.mhc_backend`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 
 from glm5.config import TextConfig
-from glm5.layers.norms import unweighted_rms_norm
-
-
-@dataclass
-class HyperMix:
-    post: torch.Tensor  # [T, n] fp32
-    comb: torch.Tensor  # [T, n, n] fp32
+from glm5.layers.backends import mhc_backend
+from glm5_kernels.mhc_ref import mhc_post_ref, mhc_pre_ref
 
 
 class HyperConnection:
@@ -34,26 +25,21 @@ class HyperConnection:
         self.norm_eps = cfg.rms_norm_eps
         self.iters = cfg.hc_sinkhorn_iters
 
-    def pre(self, streams: torch.Tensor) -> tuple[torch.Tensor, HyperMix]:
-        """streams [T, n, H] -> (collapsed block input [T, H], mixing for :meth:`post`)."""
-        n = self.n
-        flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
-        mix = F.linear(flat, self.fn)
-        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.eps
-        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
-        comb = torch.softmax(comb_w.view(-1, n, n) * self.scale[2] + comb_b.view(n, n), dim=-1) + self.eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return collapsed, HyperMix(post=post, comb=comb)
+    def pre(self, streams: torch.Tensor, block_norm_w: torch.Tensor,
+            block_norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams ``[T, n, H]`` → (RMS-normed block input ``[T, H]``, post ``[T, n]``, comb ``[T, n, n]``)."""
+        if mhc_backend(streams.device, streams.dtype) == "triton":
+            from glm5_kernels.mhc import mhc_pre
+            fn = mhc_pre
+        else:
+            fn = mhc_pre_ref
+        return fn(streams, self.fn, self.base, self.scale, self.n, self.eps, self.norm_eps, self.iters,
+                  block_norm_w, block_norm_eps)
 
     @staticmethod
-    def post(block_out: torch.Tensor, streams: torch.Tensor, mix: HyperMix) -> torch.Tensor:
-        dtype = streams.dtype
-        return mix.post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
-            mix.comb.to(dtype).transpose(-1, -2), streams
-        )
+    def post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """``X'[j] = post[j]·y + Σ_i comb[i, j]·X[i]`` → ``[T, n, H]``."""
+        if mhc_backend(streams.device, streams.dtype) == "triton":
+            from glm5_kernels.mhc import mhc_post
+            return mhc_post(block_out, streams, post, comb)
+        return mhc_post_ref(block_out, streams, post, comb)

@@ -17,7 +17,8 @@ from glm5.config import TextConfig
 from glm5.layers.backends import attn_backend, decode_attn_backend
 from glm5.layers.batch import ForwardBatch
 from glm5.layers.indexer import KPoolIndexer
-from glm5.layers.norms import rms_norm
+from glm5.layers.linear import Linear
+from glm5_kernels.norms_ref import rms_norm
 
 ABSORB_MAX_TOKENS = 8
 
@@ -28,14 +29,14 @@ class MLALayer:
         self.layer, self.cfg = layer, cfg
         self.heads = cfg.num_attention_heads
         self.d_qk, self.d_v, self.rank = cfg.qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        self.q_a = weights[f"{p}.q_a_proj.weight"]
+        self.q_a = Linear.load(weights, f"{p}.q_a_proj")
         self.q_a_norm = weights[f"{p}.q_a_layernorm.weight"]
-        self.q_b = weights[f"{p}.q_b_proj.weight"]
-        self.kv_a = weights[f"{p}.kv_a_proj_with_mqa.weight"]
+        self.q_b = Linear.load(weights, f"{p}.q_b_proj")
+        self.kv_a = Linear.load(weights, f"{p}.kv_a_proj_with_mqa")
         self.kv_a_norm = weights[f"{p}.kv_a_layernorm.weight"]
-        self.kv_b = weights[f"{p}.kv_b_proj.weight"]
-        self.o_proj = weights[f"{p}.o_proj.weight"]
-        kv_b = self.kv_b.view(self.heads, self.d_qk + self.d_v, self.rank)
+        self.kv_b = Linear.load(weights, f"{p}.kv_b_proj")
+        self.o_proj = Linear.load(weights, f"{p}.o_proj")
+        kv_b = self.kv_b.weight.view(self.heads, self.d_qk + self.d_v, self.rank)
         self.w_uk = kv_b[:, : self.d_qk]   # [h, d_qk, r]
         self.w_uv = kv_b[:, self.d_qk:]    # [h, d_v, r]
         self.scale = self.d_qk ** -0.5
@@ -43,9 +44,9 @@ class MLALayer:
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps
-        q_resid = rms_norm(F.linear(x, self.q_a), self.q_a_norm, eps)
-        q = F.linear(q_resid, self.q_b).view(-1, self.heads, self.d_qk)
-        latent = rms_norm(F.linear(x, self.kv_a), self.kv_a_norm, eps)
+        q_resid = rms_norm(self.q_a(x), self.q_a_norm, eps)
+        q = self.q_b(q_resid).view(-1, self.heads, self.d_qk)
+        latent = rms_norm(self.kv_a(x), self.kv_a_norm, eps)
         raw_index = self.indexer.keys(x)
         lat_cache = cache.latent[self.layer]
         if batch.decode is not None:
@@ -68,7 +69,7 @@ class MLALayer:
                     and int(mask.sum()) == s.num_tokens * (s.num_tokens + 1) // 2))  # visible ⊆ causal
             else:
                 out[rows] = self._expanded(q[rows], ctx, mask)
-        return F.linear(out.reshape(x.shape[0], -1), self.o_proj)
+        return self.o_proj(out.reshape(x.shape[0], -1))
 
     def _decode(self, x: torch.Tensor, q_resid: torch.Tensor, q: torch.Tensor, latent: torch.Tensor,
                 raw_index: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
@@ -91,17 +92,17 @@ class MLALayer:
                                    "runner must set DecodeMeta.flashinfer (FlashInferSparseMLA.plan) before the forward")
             o_lat = meta.flashinfer.run(q_lat, lat_cache, idx)
         else:
-            from glm5_kernels.sparse_mla_decode import sparse_mla_decode_ref
+            from glm5_kernels.sparse_mla_ref import sparse_mla_decode_ref
             o_lat = sparse_mla_decode_ref(q_lat, lat_cache, idx, self.scale)
         out = torch.einsum("nhr,hdr->nhd", o_lat.to(x.dtype), self.w_uv)
-        return F.linear(out.reshape(x.shape[0], -1), self.o_proj)
+        return self.o_proj(out.reshape(x.shape[0], -1))
 
     def _softmax(self, scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         scores = scores.masked_fill(~mask.unsqueeze(0), torch.finfo(scores.dtype).min)
         return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
 
     def _expanded(self, q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        kv = F.linear(ctx, self.kv_b).view(-1, self.heads, self.d_qk + self.d_v)
+        kv = self.kv_b(ctx).view(-1, self.heads, self.d_qk + self.d_v)
         k, v = kv.split([self.d_qk, self.d_v], dim=-1)
         scores = torch.einsum("nhd,lhd->hnl", q, k) * self.scale
         probs = self._softmax(scores, mask, q.dtype)
@@ -115,7 +116,7 @@ class MLALayer:
         otherwise the boolean selection mask goes to the memory-efficient kernel, so the
         ``[heads, n, L]`` score matrix is never materialised.
         """
-        kv = F.linear(ctx, self.kv_b).view(-1, self.heads, self.d_qk + self.d_v)
+        kv = self.kv_b(ctx).view(-1, self.heads, self.d_qk + self.d_v)
         k, v = (t.transpose(0, 1).unsqueeze(0) for t in kv.split([self.d_qk, self.d_v], dim=-1))
         qh = q.transpose(0, 1).unsqueeze(0)
         if dense_causal:

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from glm5.config import TextConfig
 from glm5.layers.backends import moe_backend
-from glm5.layers.mlp import clamped_swiglu, swiglu_mlp
+from glm5.layers.mlp import DenseMLP
+from glm5_kernels.moe_ref import fused_moe_ref
 
 
 @dataclass
@@ -53,37 +54,14 @@ class MoE:
         self.w_gate = weights[f"{prefix}.experts.gate_proj"]
         self.w_up = weights[f"{prefix}.experts.up_proj"]
         self.w_down = weights[f"{prefix}.experts.down_proj"]
-        self.shared = (
-            weights[f"{prefix}.shared_experts.gate_proj.weight"],
-            weights[f"{prefix}.shared_experts.up_proj.weight"],
-            weights[f"{prefix}.shared_experts.down_proj.weight"],
-        )
+        self.shared = DenseMLP(weights, f"{prefix}.shared_experts", cfg.swiglu_limit)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         routing = route(x, self.gate_w, self.bias, self.cfg)
-        shared = swiglu_mlp(x, *self.shared, self.cfg.swiglu_limit)
+        shared = self.shared(x)
         if moe_backend(x.device, x.dtype) == "triton":
             from glm5_kernels.fused_moe import fused_moe
             return fused_moe(x, self.w_gate, self.w_up, self.w_down, routing.weights, routing.experts,
                              self.cfg.swiglu_limit) + shared
-        return self._routed_loop(x, routing) + shared
-
-    def _routed_loop(self, x: torch.Tensor, routing: RoutingResult) -> torch.Tensor:
-        """Reference: one GEMM pair per touched expert (syncs once with the host for the counts)."""
-        out = torch.zeros_like(x)
-        flat_experts = routing.experts.flatten()
-        token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(routing.experts.shape[1])
-        flat_weights = routing.weights.flatten()
-        order = torch.argsort(flat_experts, stable=True)
-        counts = torch.bincount(flat_experts, minlength=self.w_gate.shape[0]).tolist()
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            idx = order[start:start + n]
-            start += n
-            toks = token_of[idx]
-            h = clamped_swiglu(F.linear(x[toks], self.w_gate[e]), F.linear(x[toks], self.w_up[e]), self.cfg.swiglu_limit)
-            y = F.linear(h, self.w_down[e]) * flat_weights[idx, None]
-            out.index_add_(0, toks, y.to(out.dtype))
-        return out
+        return fused_moe_ref(x, self.w_gate, self.w_up, self.w_down, routing.weights, routing.experts,
+                             self.cfg.swiglu_limit) + shared

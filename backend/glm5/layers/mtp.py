@@ -20,10 +20,11 @@ import torch.nn.functional as F
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import ModelConfig
 from glm5.layers.batch import ForwardBatch
+from glm5.layers.linear import Linear
 from glm5.layers.mla import MLALayer
 from glm5.layers.mlp import DenseMLP
 from glm5.layers.moe import MoE
-from glm5.layers.norms import rms_norm
+from glm5_kernels.norms_ref import rms_norm
 
 
 class MissingMTPWeights(ValueError):
@@ -45,7 +46,7 @@ class MTPLayer:
         self.embed, self.lm_head = embed, lm_head
         self.enorm = weights[f"{p}.enorm.weight"]
         self.hnorm = weights[f"{p}.hnorm.weight"]
-        self.eh_proj = weights[f"{p}.eh_proj.weight"]
+        self.eh_proj = Linear.load(weights, f"{p}.eh_proj")
         self.in_norm = weights[f"{p}.input_layernorm.weight"]
         self.post_norm = weights[f"{p}.post_attention_layernorm.weight"]
         self.head_norm = weights[f"{p}.shared_head.norm.weight"]
@@ -59,9 +60,9 @@ class MTPLayer:
         Returns (fp32 logits at ``batch.logits_indices``, recycled hidden h' [T, H])."""
         e = F.embedding(batch.input_ids, self.embed)
         e = e.masked_fill((batch.positions == 0)[:, None], 0.0)
-        u = F.linear(torch.cat([rms_norm(e, self.enorm, self.eps), rms_norm(hidden.to(e.dtype), self.hnorm, self.eps)],
-                               dim=-1), self.eh_proj)
+        u = self.eh_proj(torch.cat([rms_norm(e, self.enorm, self.eps), rms_norm(hidden.to(e.dtype), self.hnorm, self.eps)],
+                                   dim=-1))
         u = u + self.attn(rms_norm(u, self.in_norm, self.eps), batch, cache)
         u = u + self.mlp(rms_norm(u, self.post_norm, self.eps))
         h = rms_norm(u, self.head_norm, self.eps)
-        return F.linear(h[batch.logits_indices], self.lm_head).float(), h
+        return self.lm_head(h[batch.logits_indices]).float(), h

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from glm5.config import VisionConfig
 from glm5.layers.mlp import swiglu_mlp
-from glm5.layers.norms import rms_norm
+from glm5_kernels.norms_ref import rms_norm
 
 ROPE_THETA = 10000.0
 

@@ -13,7 +13,7 @@ Two server installations are supported:
   relative to its wheel location and breaks once the stub is linked elsewhere.
 
 The stub embeds the *system* libpython and ignores ``PYTHONPATH`` (see
-``reference/triton-serving.md`` §8), so the launcher writes a runtime copy of the model repository
+``docs/serving.md``, engine settings), so the launcher writes a runtime copy of the model repository
 whose ``config.pbtxt`` files carry a ``python_path`` parameter (this interpreter's site-packages and
 the project's source folders) and also exports ``GLM5_PYTHON_PATH``; ``backend/model.py`` and
 the preprocess model put those entries on ``sys.path`` before importing anything else.

@@ -7,6 +7,9 @@ What runs (see :mod:`glm5.serving.server_process`): tritonserver with gRPC on ``
 key (:mod:`glm5.serving.access`). Bad settings (a missing checkpoint, malformed media caps, an
 unknown engine setting) fail here in one line, before tritonserver starts.
 
+With ``--openai-port`` it also runs the OpenAI-compatible server
+(:mod:`glm5.entrypoints.openai`) as a child process talking to tritonserver over gRPC.
+
 The pieces stay importable from here for scripts written against earlier versions
 (``TritonServerProcess``, ``find_free_port``, ``locate_tritonserver``, ...).
 """
@@ -85,6 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         '\'{"max_images": 4}\'')
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="any other glm5 config.pbtxt parameter, repeatable")
+    parser.add_argument("--openai-port", type=int, help="also serve the OpenAI-compatible API (/v1) on this port, "
+                        "bound to --host (docs/openai.md)")
 
 
 def check_model_dir(path: str) -> Path:
@@ -217,22 +222,44 @@ def run(args: argparse.Namespace) -> int:
         return 1
     _log_start(srv, overrides)
     key = srv.admin_key
-    print(json.dumps({"model": srv.model_dir, "grpc": srv.grpc_url, "http": f"http://{srv.http_url}",
-                      "metrics": srv.metrics_url, "pid": srv.proc.pid if srv.proc else None,
-                      "restricted_apis": list(srv.restricted_apis),
-                      "admin_key_file": str(key.file) if key and key.file else None,
-                      "admin_key_fingerprint": key.fingerprint if key else None,
-                      "engine": srv.engine_summary}), flush=True)
+    openai = None
+    if args.openai_port is not None:
+        from glm5.entrypoints.openai.process import OpenAIServerError, OpenAIServerProcess
+
+        grpc_host = args.grpc_address or args.host
+        # the OpenAI server reads the model config (a restricted API): it gets the key in its environment
+        openai = OpenAIServerProcess(triton_url=f"127.0.0.1:{srv.grpc_port}" if grpc_host in ("0.0.0.0", "::")
+                                     else srv.grpc_url, model_dir=srv.model_dir or "", port=args.openai_port,
+                                     host=args.host, extra_env={ADMIN_KEY_ENV: key.value} if key else {})
+        try:
+            openai.start()
+        except OpenAIServerError as exc:
+            srv.stop()
+            print(f"glm5 serve: {exc}", file=sys.stderr)
+            return 1
+    endpoints = {"model": srv.model_dir, "grpc": srv.grpc_url, "http": f"http://{srv.http_url}",
+                 "metrics": srv.metrics_url, "pid": srv.proc.pid if srv.proc else None,
+                 "restricted_apis": list(srv.restricted_apis),
+                 "admin_key_file": str(key.file) if key and key.file else None,
+                 "admin_key_fingerprint": key.fingerprint if key else None,
+                 "engine": srv.engine_summary}
+    if openai is not None:
+        endpoints["openai"] = openai.base_url
+    print(json.dumps(endpoints), flush=True)
     print(f"glm5 serving: gRPC {srv.grpc_url}  HTTP http://{srv.http_url}  metrics {srv.metrics_url}  "
           f"(Ctrl-C stops)", flush=True)
     try:
         while not stop.is_set():
             gone = srv.exited()
+            if gone is None and openai is not None and openai.proc is not None and openai.proc.poll() is not None:
+                gone = ("the OpenAI server", int(openai.proc.returncode))
             if gone is not None:
                 what, rc = gone
                 print(f"glm5 serve: {what} exited with code {rc}", file=sys.stderr)
                 return rc if rc > 0 else 128 - rc if rc < 0 else 1     # a signal -N becomes 128+N, as in a shell
             stop.wait(0.5)
     finally:
+        if openai is not None:
+            openai.stop()
         srv.stop()
     return 0

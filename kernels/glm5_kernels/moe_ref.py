@@ -1,0 +1,48 @@
+"""Torch reference of the routed-expert MoE (:mod:`glm5_kernels.fused_moe`) and the clamped SwiGLU.
+
+Also the engine's torch path (CPU): one GEMM pair per touched expert. No Triton import.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def clamped_swiglu_ref(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """GLM-5.3-Flash SwiGLU: the gate is clamped from above, the up projection on both sides.
+
+    Every SwiGLU of the model (dense, shared and routed experts, vision MLP) clamps with ``swiglu_limit``;
+    forgetting it is invisible on small activations and wrong on large ones."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def fused_moe_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, swiglu_limit: float,
+                  compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Per-expert loop: ``x [T, H]`` → ``[T, H]`` = Σ_k w_k · W_down[e_k] @ clamped_swiglu(...).
+
+    Computes in ``x.dtype`` (accumulating the k slots in fp32) and returns ``x.dtype`` unless ``compute_dtype``
+    is given; then each expert's weights are upcast one at a time (no full fp64 copy of the experts) and the
+    result is returned in ``compute_dtype`` — the oracle for kernel tests and the tuner. Syncs with the host
+    once per touched expert: the CPU path, not for GPU serving."""
+    dt = compute_dtype or x.dtype
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    acc_dt = torch.float64 if dt == torch.float64 else torch.float32
+    out = torch.zeros(t, h, dtype=acc_dt, device=x.device)
+    flat_e = topk_ids.reshape(-1)
+    token_of = torch.arange(t, device=x.device).repeat_interleave(k)
+    flat_w = topk_weights.reshape(-1).to(acc_dt)
+    xc = x.to(dt)
+    for e in torch.unique(flat_e).tolist():
+        sel = (flat_e == e).nonzero().squeeze(1)
+        toks = token_of[sel]
+        xe = xc[toks]
+        hid = clamped_swiglu_ref(F.linear(xe, w_gate[e].to(dt)), F.linear(xe, w_up[e].to(dt)), swiglu_limit)
+        y = F.linear(hid, w_down[e].to(dt)).to(acc_dt) * flat_w[sel, None]
+        out.index_add_(0, toks, y)
+    return out.to(dt)
+
+
+__all__ = ["clamped_swiglu_ref", "fused_moe_ref"]

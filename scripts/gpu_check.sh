@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# The GPU check: the `gpu`-marked tests, the engine benchmark and the kernel micro-benchmarks on one
+# CUDA machine (built for the H200), from a checkout, with no network needed.
+#
+# Usage: scripts/gpu_check.sh [tests|bench|kernels|all] [OUTDIR]     (default: all, bench/out/gpu_check)
+#   tests    pytest -m gpu over tests/ -> OUTDIR/gpu_tests.log and OUTDIR/gpu_tests.xml (JUnit);
+#            the per-layer bf16 diagnostic -> OUTDIR/bf16_layer_errors.json
+#   bench    bench/bench.py -> OUTDIR/bench/ (results.json, profile_*.txt, bench.log, stdout.log), rendered
+#            to OUTDIR/bench/RESULTS.md by bench/render_results.py (docs/benchmarks.md: how to record it)
+#   kernels  bench/kernel_bench.py and, when flashinfer imports, bench/flashinfer_bench.py -> OUTDIR/kernels/
+#   all      the three in that order; OUTDIR/device.txt always records the GPU, driver and versions
+# Exit status: non-zero when a stage fails (the later stages still run).
+#
+# Setup it does first (each step only when needed):
+#   * wheels in $WHEEL_DIR (default .whl; e.g. fla_core-0.6.0 and transformers-5.23.0, fetched elsewhere
+#     with `pip download --no-deps`) whose name and version are not installed go into $SITE
+#     (default /tmp/glm5-site) with `pip install --no-index --no-deps --target`, and $SITE joins PYTHONPATH;
+#   * $FI_DIR (default .fi, written by scripts/flashinfer_bundle.sh) is unpacked into $SITE when flashinfer
+#     does not import, and its prebuilt JIT modules (.fi/prebuilt/*.so) are installed;
+#   * the project's source folders (backend, kernels, client) join PYTHONPATH when glm5 does not import.
+# Environment: PYTHON (default python3), GLM5_TRAINED_CKPT (a checkpoint from
+#   `python -m glm5.trained_tiny_checkpoint DIR`; default .gpuref/trained when present, else the bf16 test
+#   trains one on the GPU), PYTEST_ARGS (extra pytest arguments, e.g. -k or -x), BENCH_ARGS (default
+#   --profile-prefill; e.g. --quick --skip-hf), TESTS_TIMEOUT / BENCH_TIMEOUT / KERNELS_TIMEOUT in seconds
+#   (defaults 1200 / 900 / 300).
+set -uo pipefail
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
+
+STAGE=${1:-all}
+case "$STAGE" in tests|bench|kernels|all) ;; *) echo "unknown stage '$STAGE': use tests, bench, kernels or all" >&2; exit 2;; esac
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT=$(mkdir -p "${2:-bench/out/gpu_check}" && cd "${2:-bench/out/gpu_check}" && pwd)
+PY=${PYTHON:-python3}
+SITE=${SITE:-/tmp/glm5-site}
+WHEEL_DIR=${WHEEL_DIR:-.whl}
+FI_DIR=${FI_DIR:-.fi}
+mkdir -p "$SITE"
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+
+# Wheels whose distribution is missing or at another version (wheel file names: name-version-...).
+if ls "$WHEEL_DIR"/*.whl >/dev/null 2>&1; then
+  NEED=$("$PY" - "$WHEEL_DIR"/*.whl <<'PY'
+import sys
+from importlib import metadata
+from pathlib import Path
+
+for whl in sys.argv[1:]:
+    name, version = Path(whl).name.split("-")[:2]
+    try:
+        if metadata.version(name.replace("_", "-")) == version:
+            continue
+    except metadata.PackageNotFoundError:
+        pass
+    print(whl)
+PY
+)
+  if [ -n "$NEED" ]; then
+    echo "installing into $SITE: $NEED" >&2
+    # shellcheck disable=SC2086
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" $NEED
+  fi
+fi
+
+if ! "$PY" -c "import flashinfer" >/dev/null 2>&1 && ls "$FI_DIR"/flashinfer-*-pruned.tar.xz >/dev/null 2>&1; then
+  echo "unpacking the FlashInfer bundle from $FI_DIR into $SITE" >&2
+  tar -xJf "$FI_DIR"/flashinfer-*-pruned.tar.xz -C "$SITE"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$FI_DIR"/apache_tvm_ffi-*.whl
+fi
+if "$PY" -c "import flashinfer" >/dev/null 2>&1; then
+  export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi_ws} FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
+  export MAX_JOBS=${MAX_JOBS:-16}
+fi
+
+if ! "$PY" -c "import glm5, glm5_kernels, glm5_client" >/dev/null 2>&1; then
+  export PYTHONPATH="$PYTHONPATH:$ROOT/backend:$ROOT/kernels:$ROOT/client"
+fi
+if ls "$FI_DIR"/prebuilt/*.so >/dev/null 2>&1 && "$PY" -c "import flashinfer" >/dev/null 2>&1; then
+  "$PY" -m glm5_kernels.flashinfer_mla --install-prebuilt "$FI_DIR"/prebuilt/*.so
+fi
+if [ -z "${GLM5_TRAINED_CKPT:-}" ] && [ -d .gpuref/trained ]; then export GLM5_TRAINED_CKPT="$ROOT/.gpuref/trained"; fi
+
+{
+  date -u +%Y-%m-%dT%H:%M:%SZ
+  git rev-parse HEAD 2>/dev/null || true
+  nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv 2>&1 || true
+  "$PY" - <<'PY' 2>&1
+import importlib
+for mod in ("torch", "triton", "transformers", "fla", "flashinfer"):
+    try:
+        m = importlib.import_module(mod)
+        print(mod, getattr(m, "__version__", "?"), m.__file__)
+    except Exception as e:
+        print(mod, "not importable:", type(e).__name__, e)
+import torch
+print("cuda", torch.version.cuda, "device", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
+PY
+} > "$OUT/device.txt"
+cat "$OUT/device.txt" >&2
+
+FAILED=0
+run_tests() {
+  # shellcheck disable=SC2086
+  GLM5_DIAG_OUT="$OUT" timeout "${TESTS_TIMEOUT:-1200}" "$PY" -m pytest -m gpu -q -rA tests \
+    --junitxml="$OUT/gpu_tests.xml" ${PYTEST_ARGS:-} > "$OUT/gpu_tests.log" 2>&1
+  local rc=$?
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/gpu_tests.log" | tail -60
+  return $rc
+}
+run_bench() {
+  mkdir -p "$OUT/bench"
+  # shellcheck disable=SC2086
+  timeout "${BENCH_TIMEOUT:-900}" "$PY" bench/bench.py --out "$OUT/bench" ${BENCH_ARGS:---profile-prefill} \
+    > "$OUT/bench/stdout.log" 2>&1
+  local rc=$?
+  tail -5 "$OUT/bench/stdout.log" | cut -c1-300
+  if [ -f "$OUT/bench/results.json" ]; then
+    "$PY" bench/render_results.py "$OUT/bench/results.json" && sed -n '1,40p' "$OUT/bench/RESULTS.md"
+  fi
+  return $rc
+}
+run_kernels() {
+  mkdir -p "$OUT/kernels"
+  timeout "${KERNELS_TIMEOUT:-300}" "$PY" bench/kernel_bench.py "$OUT/kernels/sparse_mla.json" > "$OUT/kernels/kernel_bench.log" 2>&1 \
+    && timeout "${KERNELS_TIMEOUT:-300}" "$PY" bench/kernel_bench.py --small "$OUT/kernels/decode_kernels.json" >> "$OUT/kernels/kernel_bench.log" 2>&1
+  local rc=$?
+  if [ $rc -eq 0 ] && "$PY" -c "import flashinfer" >/dev/null 2>&1; then
+    timeout "${KERNELS_TIMEOUT:-300}" "$PY" bench/flashinfer_bench.py "$OUT/kernels/flashinfer_mla_kernels.json" \
+      > "$OUT/kernels/flashinfer_bench.log" 2>&1
+    rc=$?
+  fi
+  tail -3 "$OUT/kernels/"*.log | cut -c1-300
+  return $rc
+}
+
+for s in tests bench kernels; do
+  if [ "$STAGE" = all ] || [ "$STAGE" = "$s" ]; then
+    echo "== $s" >&2
+    "run_$s" || { echo "== $s FAILED (exit $?)" >&2; FAILED=1; }
+  fi
+done
+echo "outputs in $OUT" >&2
+exit $FAILED
