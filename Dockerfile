@@ -47,10 +47,11 @@ COPY client ./client
 COPY model_repository /opt/glm5/model_repository
 
 # torch first, pinned to the CUDA 12.6 build; then the engine with its GPU kernels (`gpu`: fla-core,
-# flashinfer) and what talks to and fronts the image's tritonserver (`serving`: tritonclient, the
-# HTTP front). numpy stays <2 (pinned by the project): the python stub crashes on BYTES with numpy 2.
+# flashinfer), what talks to and fronts the image's tritonserver (`serving`: tritonclient, the HTTP
+# front) and the OpenAI-compatible server (`openai`, for glm5 serve --openai-port). numpy stays <2
+# (pinned by the project): the python stub crashes on BYTES with numpy 2.
 RUN python3 -m pip install "torch==${TORCH_VERSION}" --extra-index-url "${TORCH_INDEX_URL}" \
- && python3 -m pip install ".[gpu,serving]" "torch==${TORCH_VERSION}" --extra-index-url "${TORCH_INDEX_URL}" \
+ && python3 -m pip install ".[gpu,serving,openai]" "torch==${TORCH_VERSION}" --extra-index-url "${TORCH_INDEX_URL}" \
  && python3 -c "import numpy, torch, glm5, glm5_client; \
 assert numpy.__version__.startswith('1.'), numpy.__version__; \
 assert torch.version.cuda.startswith('${CUDA_VERSION}'), torch.version.cuda" \

@@ -92,3 +92,12 @@ def test_malformed_config_names_the_file_and_position(tmp_path: Path):
     bad.write_text('name: "x"\nparameters { key: "model" value: { string_valu: "" } }\n')
     with pytest.raises(mc.ModelConfigError, match=r"config.pbtxt.*2:"):
         mc.read_config(bad)
+
+
+def test_openai_client_spells_the_admin_key_names_like_the_launcher():
+    """The OpenAI server cannot import glm5.serving (that would be an import cycle): the names must agree."""
+    from glm5.entrypoints.openai import triton_client
+    from glm5.serving import access
+
+    assert triton_client.ADMIN_KEY_ENV == access.ADMIN_KEY_ENV
+    assert triton_client.ADMIN_GRPC_METADATA == access.GRPC_HEADER_PREFIX + access.ADMIN_HEADER

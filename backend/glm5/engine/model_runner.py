@@ -17,6 +17,7 @@ import torch
 from glm5.cache.hybrid_cache import CacheConfig, HybridCache
 from glm5.config import ModelConfig
 from glm5.engine.cuda_graph import DecodeAttentionPlanner, DecodeGraphRunner, DecodeRows, DecodeStager, graph_buckets
+from glm5.engine.prompt_logprobs import prompt_rows
 from glm5.engine.scheduler import SchedulerOutput
 from glm5.engine.sequence import MultiModalData, Sequence
 from glm5.layers.batch import ForwardBatch, SeqChunk
@@ -175,7 +176,7 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput) -> tuple[ForwardBatch, list[tuple[int, int, int]]]:
         """Pack the step. Also returns, per sampling chunk, ``(chunk index, first logits row, rows)``:
         one row for a plain chunk, ``1 + drafts`` for a verification chunk."""
-        ids, pos, seqs, logit_rows, sample_idx = [], [], [], [], []
+        ids, pos, seqs, logit_rows, sample_idx, prompt_lp = [], [], [], [], [], []
         mm_rows, mm_embeds = [], []
         start = 0
         self.encode_multimodal([c.seq for c in sched.chunks])
@@ -195,6 +196,10 @@ class ModelRunner:
                 if sel.any():
                     mm_rows.append(s.mm.positions[sel] - lo + start)
                     mm_embeds.append(s.mm.embeds[sel])
+            scored = prompt_rows(s, lo, hi)
+            if scored is not None:
+                prompt_lp.append((ci, len(logit_rows), scored[1] - scored[0], scored[0]))
+                logit_rows.extend(range(start + scored[0] - lo, start + scored[1] - lo))
             if c.samples:
                 n_rows = 1 + c.num_drafts
                 sample_idx.append((ci, len(logit_rows), n_rows))
@@ -207,6 +212,7 @@ class ModelRunner:
             logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=self.device),
             mm_embeds=torch.cat(mm_embeds).to(self.device) if mm_embeds else None,
             mm_rows=torch.cat(mm_rows).to(self.device) if mm_rows else None,
+            prompt_logprob_rows=prompt_lp,
         )
         return batch, sample_idx
 
@@ -246,7 +252,7 @@ class ModelRunner:
         for c in sched.chunks:
             s = c.seq
             lo = s.num_computed_tokens
-            if c.num_tokens != 1 or c.num_drafts:
+            if c.num_tokens != 1 or c.num_drafts or prompt_rows(s, lo, lo + 1) is not None:
                 return None
             if s.mm is not None and (s.mm.positions is None or bool((s.mm.positions == lo).any())):
                 return None  # not encoded yet (prepare() encodes) or the row is a placeholder
