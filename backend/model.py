@@ -61,7 +61,8 @@ logger = logging.getLogger("glm5.backend")
 
 # Config parameters consumed by this backend; every other non-empty parameter goes to EngineArgs.
 BACKEND_PARAMETERS = frozenset({"python_path", "report_metrics", "metrics_interval_ms",
-                                "cancellation_check_period_ms", "engine_module", "EXECUTION_ENV_PATH"})
+                                "cancellation_check_period_ms", "engine_module", "EXECUTION_ENV_PATH",
+                                "log_level"})
 
 _OPT = {"optional": True}
 INPUTS: list[dict[str, Any]] = [
@@ -322,7 +323,9 @@ class TritonPythonModel:
 
         from glm5.serving import request as rq
         from glm5.serving import vllm_outputs
+        from glm5.serving.stub_logging import configure_stub_logging
 
+        configure_stub_logging(params.get("log_level") or "INFO")   # the engine's start log reaches the server log
         self._rq = rq
         self._vo = vllm_outputs
         # The module providing EngineArgs / AsyncLLMEngine / PromptInput (an alternative engine with

@@ -67,8 +67,10 @@ def stack(tiny_checkpoint_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     ids = crafted_checkpoint(tiny_checkpoint_dir, ckpt, [THINK, TOOL, ANSWER])
     with TritonServerProcess(model_dir=str(ckpt), models=("glm5",), log_file=work / "triton.log",
                              engine_overrides=ENGINE_SETTINGS, ready_timeout_s=240) as srv:
+        # the admin key lets it read the (restricted) model config, as glm5 serve --openai-port hands it over
         with OpenAIServerProcess(srv.grpc_url, str(ckpt), find_free_port(), log_file=work / "openai.log",
-                                 extra_args=["--max-body-mb", str(MAX_BODY_MB)]) as oa:
+                                 extra_args=["--max-body-mb", str(MAX_BODY_MB)],
+                                 extra_env={"GLM5_ADMIN_KEY": srv.admin_key.value}) as oa:
             client = openai.OpenAI(base_url=oa.base_url, api_key="unused", max_retries=0, timeout=120)
             yield {"srv": srv, "oa": oa, "client": client, "ids": ids, "ckpt": ckpt}
 

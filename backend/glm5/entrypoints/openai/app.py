@@ -154,6 +154,9 @@ async def _model_parameters(generator: Any, timeout: float) -> dict[str, str]:
             if await generator.is_ready():
                 return await generator.model_parameters()
         except Exception as exc:  # noqa: BLE001 (retried until the deadline)
+            if "restricted" in str(exc):    # waiting would not help: say what is missing
+                raise RuntimeError("Triton's model-config API is restricted (glm5 serve's default): give this "
+                                   "server the admin key in $GLM5_ADMIN_KEY") from None
             logger.debug("Triton not ready yet: %s", exc)
         if asyncio.get_running_loop().time() > deadline:
             raise RuntimeError(f"Triton model {generator.model_name!r} at {generator.url} not ready after {timeout:.0f}s")

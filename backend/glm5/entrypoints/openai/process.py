@@ -30,6 +30,7 @@ class OpenAIServerProcess:
     host: str = "127.0.0.1"
     served_model_name: str = "glm5"
     extra_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)   # e.g. the admin key (kept out of the command line)
     log_file: Path | None = None
     ready_timeout_s: float = 120.0
     proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
@@ -50,7 +51,7 @@ class OpenAIServerProcess:
         # on stdout, where `glm5 serve` prints its endpoints as one JSON line
         self.proc = subprocess.Popen(self.command(), stdout=out if out else sys.stderr,
                                      stderr=subprocess.STDOUT if out else None, start_new_session=True,
-                                     env=dict(os.environ))
+                                     env={**os.environ, **self.extra_env})
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

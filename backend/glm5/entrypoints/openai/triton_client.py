@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,11 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 #: Messages the glm5 backend starts server faults with (everything else it rejects is a bad request).
+#: glm5 serve's admin key (glm5.serving.access.ADMIN_KEY_ENV) and the gRPC metadata name tritonserver checks for
+#: it (its "triton-grpc-protocol-" prefix + glm5.serving.access.ADMIN_HEADER); spelled out here because the
+#: serving package imports this one.
+ADMIN_KEY_ENV = "GLM5_ADMIN_KEY"
+ADMIN_GRPC_METADATA = "triton-grpc-protocol-glm5-admin-key"
 _SERVER_FAULT_PREFIXES = ("internal error", "the engine ended", "the glm5 model is shutting down",
                           "engine loop", "Stub process")
 
@@ -112,8 +118,14 @@ class TritonGenerator:
         await self._client.close()
 
     async def model_parameters(self) -> dict[str, str]:
-        """The model's config.pbtxt parameters (``max_model_len`` and friends)."""
-        cfg = await self._client.get_model_config(self.model_name, as_json=True)
+        """The model's config.pbtxt parameters (``max_model_len`` and friends).
+
+        ``glm5 serve`` restricts the model-config API; it hands this process the admin key in
+        ``$GLM5_ADMIN_KEY``, sent as the gRPC metadata tritonserver checks.
+        """
+        key = os.environ.get(ADMIN_KEY_ENV)
+        headers = {ADMIN_GRPC_METADATA: key} if key else None
+        cfg = await self._client.get_model_config(self.model_name, as_json=True, headers=headers)
         params = cfg.get("config", cfg).get("parameters", {})
         return {k: v.get("string_value", "") for k, v in params.items()}
 
