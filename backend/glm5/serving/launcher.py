@@ -479,7 +479,7 @@ class TritonServerProcess:
 # ---------------------------------------------------------------------------------------------
 
 _ENGINE_FLAGS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                 "num_cache_blocks", "cache_memory_gb", "num_speculative_tokens", "seed")
+                 "num_cache_blocks", "cache_memory_gb", "num_speculative_tokens", "seed", "quantization")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
