@@ -352,3 +352,46 @@ def test_generate_cli_takes_quantization():
     assert p.parse_args(["hi"]).quantization == "auto"
     with pytest.raises(SystemExit):
         p.parse_args(["hi", "--quantization", "int8"])
+
+
+# ------------------------------------------------------------------------------------------------
+# memory table and the bench's fp8 rendering
+# ------------------------------------------------------------------------------------------------
+def test_memory_table_of_the_real_config(real_config_path):
+    import json
+
+    from glm5.config import ModelConfig
+    from glm5.weights.memory import memory_table
+    from glm5.weights.names import expected_weight_shapes, is_fp32_weight
+
+    cfg = ModelConfig.from_dict(json.loads(real_config_path.read_text()))
+    table = memory_table(cfg)
+    shapes = expected_weight_shapes(cfg, include_mtp=True)
+    bf16 = sum(math.prod(s) * (4 if is_fp32_weight(n) else 2) for n, s in shapes.items())
+    rows = {(r["weights"], r["tp_ep"]): r["bytes_per_gpu"] for r in table["rows"]}
+    assert rows[("bfloat16", 1)] == bf16 and 320e9 < table["params"] < 323e9      # the 321.3 B of model-spec §1.1
+    assert 0.5 < rows[("fp8 online", 1)] / bf16 < 0.51                           # 1 byte + 1/4096 of a scale
+    assert rows[("fp8 online", 1)] < rows[("fp8 checkpoint", 1)] < 0.52 * bf16   # KDA bf16 in the checkpoint
+    for v in ("bfloat16", "fp8 online"):
+        assert rows[(v, 8)] < rows[(v, 4)] < rows[(v, 2)] < rows[(v, 1)]
+        assert rows[(v, 8)] > rows[(v, 1)] / 8                                   # replicated parts stay
+    assert rows[("fp8 checkpoint", 4)] < 141e9 < rows[("bfloat16", 4)]           # fits 4 x H200 only in fp8
+
+
+def test_bench_renders_fp8_rows():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("render_results", Path(__file__).resolve().parent.parent
+                                                  / "bench" / "render_results.py")
+    rr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rr)
+
+    def row(w, tok_s, gb):
+        return {"batch": 1, "ctx": 1024, "weight_dtype": w, "step_s": 1 / tok_s, "eager_step_s": 2 / tok_s,
+                "tok_s": tok_s, "experts_touched": [8], "bytes": {"weights": int(gb * 1e9), "total": int(gb * 1e9)}}
+    res = rr.finalize({"ceilings": {"copy_bw_Bps": 4e12, "matmul_bf16_flops": 8e14},
+                       "decode": [row("bfloat16", 300.0, 7.8), row("float8_e4m3fn", 540.0, 4.0)], "prefill": []})
+    table = "\n".join(rr.fp8_decode_table(res["decode"]))
+    assert "| 1 | 1024 | 300 | 540 | 1.80× |" in table
+    decode = "\n".join(rr.decode_table(res["decode"]))
+    assert "| bf16 | 1 | 1024 |" in decode and "| fp8 | 1 | 1024 |" in decode
