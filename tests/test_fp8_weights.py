@@ -395,3 +395,36 @@ def test_bench_renders_fp8_rows():
     assert "| 1 | 1024 | 300 | 540 | 1.80× |" in table
     decode = "\n".join(rr.decode_table(res["decode"]))
     assert "| bf16 | 1 | 1024 |" in decode and "| fp8 | 1 | 1024 |" in decode
+
+
+@pytest.fixture(scope="module")
+def aligned_fp8_checkpoint(tmp_path_factory):
+    """A small checkpoint whose projections are whole 128-blocks, as on the real model: the KDA input concat merges
+    into one fp8 weight (only b_proj, 2 rows, is partial and last) and MLA's absorbed kv_b views stay fp8."""
+    from glm5.tiny_checkpoint import make_tiny_checkpoint
+
+    over = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=4,
+                num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=128,
+                qk_nope_head_dim=128, v_head_dim=128, index_head_dim=128, index_n_heads=2, linear_num_heads=2,
+                linear_head_dim=128, n_routed_experts=4, num_experts_per_tok=2)
+    root = tmp_path_factory.mktemp("fp8aligned")
+    src = make_tiny_checkpoint(root / "src", text_overrides=over, num_mtp_layers=0)
+    d = root / "fp8"
+    shutil.copytree(src, d)
+    (d / "model.safetensors").unlink()
+    save_weights(quantize_weights(load_weights(src, progress=False)), d)
+    return d
+
+
+def test_engine_fp8_on_block_aligned_shapes(aligned_fp8_checkpoint):
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    fp8 = _engine(aligned_fp8_checkpoint, quantization="fp8")
+    model = fp8.runner.model
+    kda = next(layer.attn for layer in model.layers if hasattr(layer.attn, "in_proj"))
+    mla = next(layer.attn for layer in model.layers if hasattr(layer.attn, "w_uk_t"))
+    assert isinstance(kda.in_proj.method, Fp8BlockMethod)          # one fp8 GEMM for q|k|v|f_a|g_a|b
+    assert mla.w_uk_t.quantized and mla.w_uv.quantized              # absorbed views kept in fp8
+    assert mla.w_uv.weight.data_ptr() == mla.kv_b.method.weight.data_ptr() + 128 * 128  # W_UV: a view of kv_b
+    got = [o.token_ids for o in fp8.generate(PROMPTS, params)]
+    want = [o.token_ids for o in _engine(aligned_fp8_checkpoint, quantization="none").generate(PROMPTS, params)]
+    assert got == want
