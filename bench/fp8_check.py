@@ -59,7 +59,7 @@ MS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
 GRAPH_MAX_M = 256
 #: GEMV tile candidates besides the default: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages).
 GEMV_CANDIDATES = [(16, 256, 1, 4, 4), (32, 256, 1, 4, 4), (64, 128, 1, 4, 4), (32, 256, 2, 4, 4),
-                   (16, 256, 4, 4, 4), (64, 256, 1, 8, 3)]
+                   (16, 256, 4, 4, 4), (64, 256, 1, 8, 3), (16, 512, 1, 4, 3), (32, 512, 2, 8, 3)]
 W8A16_BOUND = W8A8_BOUND = 1e-2
 
 

@@ -9,7 +9,8 @@ Two comparisons (``tests/test_gpu_bf16.py`` explains why the checkpoint must be 
   fp8 kept (``quantization=auto``: the fp8 kernels) vs the same checkpoint dequantized to bf16 at load
   (``quantization=none``: bf16 GEMMs on the same values). The relative error of the prefill logits isolates the
   kernels' arithmetic; it is printed (and written to ``$GLM5_DIAG_OUT/fp8_logits.json``) and must stay below
-  5e-2.
+  1e-1: prefill chunks of more than 64 rows run the w8a8 GEMMs, which also round the activations to e4m3
+  (≤ 2^-4 relative each, compounding over 8 layers), while decode-sized rows run the W8A16 GEMV (1e-2 per GEMM).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from glm5 import trained_tiny_checkpoint as trained_tiny
 
 pytestmark = pytest.mark.gpu
 MIN_AGREE = 18
-LOGITS_BOUND = 5e-2
+LOGITS_BOUND = 1e-1
 
 
 @pytest.fixture(scope="session")
