@@ -29,6 +29,8 @@ class EngineArgs:
     decode_path: str = "auto"           # auto (batched on CUDA) | batched | per_request (the reference loops)
     enforce_eager: bool = False         # True: no decode CUDA graphs (vLLM's flag name)
     cuda_graph_max_batch: int | None = None  # largest captured decode batch (default max_num_seqs)
+    quantization: str = "auto"          # auto (fp8 checkpoint weights stay fp8 on CUDA) | fp8 (also quantize the
+    #                                     other projections at load) | none (dequantize to dtype); docs/fp8.md
 
     def __post_init__(self) -> None:
         checks = [("max_model_len", self.max_model_len, 1), ("max_num_seqs", self.max_num_seqs, 1),
@@ -48,6 +50,9 @@ class EngineArgs:
             raise ValueError(f"decode_path={self.decode_path!r}: use auto, batched or per_request")
         if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch < 1:
             raise ValueError(f"cuda_graph_max_batch={self.cuda_graph_max_batch}: must be >= 1 (or unset)")
+        if self.quantization not in ("auto", "fp8", "none"):
+            raise ValueError(f"quantization={self.quantization!r}: use auto (keep the checkpoint's fp8 weights in fp8 "
+                             "on CUDA), fp8 (also quantize the other projections at load) or none (dequantize)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r}: use auto, float32, bfloat16 or float16")
 
@@ -66,6 +71,15 @@ class EngineArgs:
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
 
+    @property
+    def load_quantization(self) -> str:
+        """What the loader does with fp8 (``glm5.weights.load_weights(quantization=...)``): ``auto`` keeps the
+        checkpoint's fp8 on CUDA but dequantizes on the CPU, which has no fp8 GEMM (``fp8`` keeps fp8 storage
+        there too, run by the reference path that dequantizes per call)."""
+        if self.quantization == "auto" and self.torch_device.type != "cuda":
+            return "none"
+        return self.quantization
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EngineArgs":
         """Build from string-valued settings (Triton ``config.pbtxt`` parameters), coercing by field type."""
@@ -78,9 +92,11 @@ class EngineArgs:
             ftype = str(fields[name].type)
             if isinstance(raw, str):
                 s = raw.strip()
-                if s == "" or s.lower() == "none":
-                    kwargs[name] = None
-                    continue
+                optional = "None" in ftype
+                if s == "" or (optional and s.lower() == "none"):
+                    if optional:
+                        kwargs[name] = None
+                    continue  # empty: the engine default ("none" is a value of non-optional settings)
                 try:
                     if ftype.startswith("int"):
                         kwargs[name] = int(s)

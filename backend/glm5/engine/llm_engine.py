@@ -68,8 +68,14 @@ class LLMEngine:
         text = self.model_config.text
         check_block_size(args.block_size, text.index_kpool)
         if weights is None:
+            quant = args.load_quantization
+            if quant != args.quantization:
+                logger.info("quantization=auto on %s: fp8 checkpoint weights are dequantized to %s at load (no fp8 "
+                            "GEMM here; quantization=fp8 keeps fp8 storage and dequantizes per call)", self.device,
+                            self.dtype)
             weights = load_weights(args.model, self.model_config, device=self.device, dtype=self.dtype,
-                                   progress=args.load_progress, allow_missing_mtp=args.num_speculative_tokens == 0)
+                                   progress=args.load_progress, allow_missing_mtp=args.num_speculative_tokens == 0,
+                                   quantization=quant)
         self.tokenizer = self._load_tokenizer(args.model)
         cache_cfg = CacheConfig(block_size=args.block_size, num_blocks=self._num_blocks(args),
                                 num_state_slots=args.max_num_seqs)
@@ -107,11 +113,12 @@ class LLMEngine:
     def _log_backends(self) -> None:
         from glm5.layers import backends as b
         dev = self.device
-        logger.info("backends on %s %s: kda=%s prefill_attn=%s decode_attn=%s index=%s moe=%s mhc=%s sampling=%s "
-                    "decode_path=%s", dev, self.dtype, b.kda_backend(dev, self.dtype), b.attn_backend(dev),
+        logger.info("backends on %s %s: kda=%s prefill_attn=%s decode_attn=%s index=%s moe=%s mhc=%s fp8_linear=%s "
+                    "sampling=%s decode_path=%s", dev, self.dtype, b.kda_backend(dev, self.dtype), b.attn_backend(dev),
                     b.decode_attn_backend(dev, self.dtype, self.model_config.text.kv_lora_rank),
                     b.index_backend(dev, self.dtype), b.moe_backend(dev, self.dtype), b.mhc_backend(dev, self.dtype),
-                    b.sampling_backend(dev), "batched" if self.runner.batched_decode else "per_request")
+                    b.fp8_linear_backend(dev, self.dtype), b.sampling_backend(dev),
+                    "batched" if self.runner.batched_decode else "per_request")
 
     @staticmethod
     def _load_tokenizer(path: str):

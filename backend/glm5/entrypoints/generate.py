@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--num-cache-blocks", type=int, default=None)
     p.add_argument("--num-speculative-tokens", type=int, default=0)
+    p.add_argument("--quantization", choices=("auto", "fp8", "none"), default="auto",
+                   help="fp8 weights: auto keeps an fp8 checkpoint's weights in fp8 on CUDA, fp8 also quantizes the "
+                        "other projections at load, none dequantizes (docs/fp8.md)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
@@ -101,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineArgs(model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   block_size=args.block_size, num_cache_blocks=args.num_cache_blocks,
-                                  num_speculative_tokens=args.num_speculative_tokens))
+                                  num_speculative_tokens=args.num_speculative_tokens,
+                                  quantization=args.quantization))
     prompts, params = _prompts(args), _params(args)
     t0 = time.time()
     results: dict[str, dict] = {}

@@ -55,7 +55,7 @@ class Glm5ForCausalLM:
         self.embed = weights["embed_tokens.weight"]
         self.layers = [DecoderLayer(weights, i, cfg) for i in range(t.num_hidden_layers)]
         self.norm = weights["norm.weight"]
-        self.lm_head = Linear(weights["embed_tokens.weight"] if t.tie_word_embeddings else weights["lm_head.weight"])
+        self.lm_head = Linear(weights["embed_tokens.weight"]) if t.tie_word_embeddings else Linear.load(weights, "lm_head")
         self.vision = VisionTower(weights, cfg.vision) if cfg.vision is not None and "visual.patch_embed.proj.weight" in weights else None
         self.weights = weights
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from glm5.config import TextConfig
 from glm5.layers.backends import moe_backend
 from glm5.layers.mlp import DenseMLP
+from glm5_kernels.fp8_ref import SCALE_SUFFIX
 from glm5_kernels.moe_ref import fused_moe_ref
 
 
@@ -44,7 +45,11 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, cfg: TextCo
 
 
 class MoE:
-    """Routed experts (stacked ``[E, I, H]`` weights) plus the shared expert."""
+    """Routed experts (stacked ``[E, I, H]`` weights) plus the shared expert.
+
+    The stacks are either in the model dtype or all three block-scaled fp8 (``float8_e4m3fn`` with
+    ``[E, ceil(rows/128), ceil(cols/128)]`` fp32 scales under ``<name>_scale_inv``): the fused kernel then reads
+    fp8 and dequantizes in registers, the torch path dequantizes one touched expert at a time."""
 
     def __init__(self, weights: dict[str, torch.Tensor], prefix: str, cfg: TextConfig):
         self.cfg = cfg
@@ -54,6 +59,11 @@ class MoE:
         self.w_gate = weights[f"{prefix}.experts.gate_proj"]
         self.w_up = weights[f"{prefix}.experts.up_proj"]
         self.w_down = weights[f"{prefix}.experts.down_proj"]
+        scales = [weights.get(f"{prefix}.experts.{n}_proj{SCALE_SUFFIX}") for n in ("gate", "up", "down")]
+        if any(s is not None for s in scales) and any(s is None for s in scales):
+            raise ValueError(f"{prefix}.experts: gate/up/down must all be fp8 or none (scales present: "
+                             f"{[s is not None for s in scales]}); load with quantization=none or fp8")
+        self.scales = None if scales[0] is None else tuple(scales)
         self.shared = DenseMLP(weights, f"{prefix}.shared_experts", cfg.swiglu_limit)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,6 +72,6 @@ class MoE:
         if moe_backend(x.device, x.dtype) == "triton":
             from glm5_kernels.fused_moe import fused_moe
             return fused_moe(x, self.w_gate, self.w_up, self.w_down, routing.weights, routing.experts,
-                             self.cfg.swiglu_limit) + shared
+                             self.cfg.swiglu_limit, scales=self.scales) + shared
         return fused_moe_ref(x, self.w_gate, self.w_up, self.w_down, routing.weights, routing.experts,
-                             self.cfg.swiglu_limit) + shared
+                             self.cfg.swiglu_limit, scales=self.scales) + shared

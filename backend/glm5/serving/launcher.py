@@ -39,7 +39,7 @@ from glm5.serving.server_process import (MODEL_CONTROL_MODES, TritonServerProces
 logger = logging.getLogger(__name__)
 
 _ENGINE_FLAGS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                 "num_cache_blocks", "cache_memory_gb", "num_speculative_tokens", "seed")
+                 "num_cache_blocks", "cache_memory_gb", "num_speculative_tokens", "seed", "quantization")
 
 
 class ServeConfigError(ValueError):

@@ -6,8 +6,16 @@ original layout that ``save_pretrained`` writes or HF's packed in-memory layout,
 with their ``weight_scale_inv`` and checks names and shapes against the config. Every problem is
 collected, so a bad checkpoint fails once with a :class:`CheckpointError` that lists all of them
 (instead of the user fixing one and discovering the next). The *load* pass then reads one tensor
-at a time through ``safe_open`` (memory-mapped), dequantizes, casts and stacks experts straight
-into the preallocated result, so peak host memory stays near the size of the result.
+at a time through ``safe_open`` (memory-mapped), dequantizes or keeps fp8, casts and stacks experts
+straight into the preallocated result, so peak host memory stays near the size of the result.
+
+fp8 (``quantization``): ``"none"`` dequantizes every block-scaled e4m3 weight to the model dtype;
+``"auto"`` keeps what the checkpoint has: each fp8 weight stays ``float8_e4m3fn`` with its fp32
+``[ceil(out/128), ceil(in/128)]`` scales beside it under ``<name>_scale_inv`` (no model-dtype copy);
+``"fp8"`` keeps those and also quantizes every other projection of the text model
+(:func:`glm5.weights.names.is_fp8_linear_weight`) to the same format at load, as vLLM's online fp8 does.
+Only e4m3 with 128 x 128 blocks is kept as fp8 (the kernels' format); anything else is dequantized (and,
+with ``"fp8"``, requantized), with a log line.
 """
 
 from __future__ import annotations
@@ -25,14 +33,20 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from glm5_kernels.fp8_ref import BLOCK as KERNEL_FP8_BLOCK
+from glm5_kernels.fp8_ref import FP8_DTYPE, dequantize_fp8_block, quantize_fp8_block
+
 from glm5.config import ModelConfig
 from glm5.weights.files import FP8_CODES, TensorInfo, find_weight_files, read_header
 from glm5.weights.names import (
+    SCALE_SUFFIX,
     KeyTarget,
     Shape,
     abbreviate_names,
     checkpoint_key_targets,
     expected_weight_shapes,
+    can_stay_fp8,
+    is_fp8_linear_weight,
     is_fp32_weight,
     is_mtp_name,
     source_shape,
@@ -41,8 +55,10 @@ from glm5.weights.names import (
 
 logger = logging.getLogger(__name__)
 
-SCALE_SUFFIX = "_scale_inv"  # fp8 block scales: "<key>_scale_inv", i.e. "x.weight" -> "x.weight_scale_inv"
 DEFAULT_FP8_BLOCK = (128, 128)
+#: ``quantization`` values: what the loader does with fp8 weights (module docstring).
+QUANTIZATION_MODES = ("auto", "fp8", "none")
+_SCALE_DTYPES = frozenset({"F32", "BF16", "F16"})
 
 
 class CheckpointError(ValueError):
@@ -72,10 +88,7 @@ def dequantize_fp8_blockwise(w8: torch.Tensor, scale_inv: torch.Tensor,
                              block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> torch.Tensor:
     """``W = W8.float() * s`` with one scale per ``block`` tile of the last two dims (edge tiles may
     be partial). Returns fp32 on ``w8``'s device."""
-    rows, cols = w8.shape[-2], w8.shape[-1]
-    s = scale_inv.to(device=w8.device, dtype=torch.float32)
-    s = s.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
-    return w8.to(torch.float32) * s
+    return dequantize_fp8_block(w8, scale_inv, block)
 
 
 def _fp8_block(cfg: ModelConfig) -> tuple[int, int]:
@@ -166,6 +179,10 @@ def _plan(path: Path, cfg: ModelConfig, allow_missing_mtp: bool) -> tuple[list[_
         elif w.dtype not in FP8_CODES:
             problems.append(f"scale {key} belongs to {base}, which is {w.dtype}, not fp8; drop the scale or store "
                             "the weight as float8_e4m3fn")
+        elif sinfo.dtype not in _SCALE_DTYPES:
+            scale_trouble.add(base)
+            problems.append(f"wrong dtype: fp8 scale {key} is {sinfo.dtype}; block scales are float32 (F32); "
+                            "re-export the checkpoint's weight_scale_inv tensors as float32")
         elif sinfo.shape != fp8_scale_shape(w.shape, block):
             scale_trouble.add(base)
             problems.append(f"wrong shape: fp8 scale {key}: got {tuple(sinfo.shape)}, expected "
@@ -297,7 +314,7 @@ def _weight_key(key: str) -> str:
 # load
 # ---------------------------------------------------------------------------------------------
 class _Reader:
-    """Open shard handles (memory-mapped) and per-part reads with fp8 dequantization."""
+    """Open shard handles (memory-mapped) and per-part reads, dequantizing fp8 or keeping it."""
 
     def __init__(self, stack: contextlib.ExitStack, device: torch.device, block: tuple[int, int]):
         self._stack = stack
@@ -305,6 +322,8 @@ class _Reader:
         self.device = device
         self.block = block
         self.dequantized = 0
+        self.kept = 0
+        self.quantized = 0
 
     def _h(self, file: Path) -> Any:
         h = self._handles.get(file)
@@ -313,8 +332,18 @@ class _Reader:
             self._handles[file] = h
         return h
 
+    def keepable(self, part: _Part) -> bool:
+        """True if ``part`` is fp8 in the kernels' format (e4m3, 128 x 128 blocks) and its canonical chunk (for
+        packed keys) starts and ends on scale-block boundaries, so it can stay fp8 with its own scales."""
+        if part.scale is None or part.info.dtype != "F8_E4M3" or self.block != (KERNEL_FP8_BLOCK, KERNEL_FP8_BLOCK):
+            return False
+        t = part.target
+        if t.kind == "chunk":
+            return (part.info.shape[t.dim] // t.count) % self.block[t.dim - (len(part.info.shape) - 2)] == 0
+        return True
+
     def read(self, part: _Part) -> torch.Tensor:
-        """The canonical-side tensor of ``part`` (its chunk, for packed keys), on ``self.device``."""
+        """The canonical-side tensor of ``part`` (its chunk, for packed keys), on ``self.device``; fp8 dequantized."""
         t = part.target
         h = self._h(part.info.file)
         if part.scale is None:
@@ -331,19 +360,75 @@ class _Reader:
             w = w.chunk(t.count, dim=t.dim)[t.index]
         return w
 
+    def read_fp8(self, part: _Part) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(W8 float8_e4m3fn, scale fp32)`` of a :meth:`keepable` part (its chunk, for packed keys)."""
+        t = part.target
+        assert part.scale is not None
+        w8 = self._h(part.info.file).get_tensor(part.info.key).to(self.device)
+        s = self._h(part.scale.file).get_tensor(part.scale.key).to(device=self.device, dtype=torch.float32)
+        if t.kind == "chunk":
+            w8 = w8.chunk(t.count, dim=t.dim)[t.index]
+            s = s.chunk(t.count, dim=t.dim)[t.index]
+        self.kept += 1
+        return w8.contiguous(), s.contiguous()
+
+    def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Online fp8: ``w`` (any float dtype) to e4m3 + 128 x 128 block scales, on ``self.device``."""
+        self.quantized += 1
+        return quantize_fp8_block(w.to(self.device))
+
+
+def _check_quantization(quantization: str) -> None:
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization={quantization!r}: use auto (keep the checkpoint's fp8 weights in fp8), fp8 "
+                         "(also quantize the other projections at load) or none (dequantize to the model dtype)")
+
+
+def _load_fp8(reader: _Reader, r: _Recipe, online: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Recipe ``r`` as ``(W8, scale)`` when it stays fp8, else None (it then loads in the model dtype).
+
+    A whole tensor stays fp8 when the checkpoint stores it in the kernels' fp8 format; with ``online`` every
+    :func:`is_fp8_linear_weight` tensor is fp8 (quantized here when the checkpoint's copy is not). A stacked
+    expert tensor is fp8 only as a whole: with some experts fp8 and some not, ``online`` quantizes the rest,
+    otherwise the stack is dequantized (one warning)."""
+    kind = r.parts[0].target.kind
+    if not can_stay_fp8(r.name):
+        return None
+    keep = [reader.keepable(p) for p in r.parts]
+    if not online and not all(keep):
+        if any(keep):
+            logger.warning("%s: %d of %d parts are fp8, the rest are not; dequantizing all of it (quantization=fp8 "
+                           "would quantize the rest instead)", r.name, sum(keep), len(keep))
+        return None
+    if online and not is_fp8_linear_weight(r.name) and not all(keep):
+        return None
+    if kind != "expert":
+        part = r.parts[0]
+        return reader.read_fp8(part) if keep[0] else reader.quantize(reader.read(part))
+    w8 = torch.empty(r.shape, dtype=FP8_DTYPE, device=reader.device)
+    sc = torch.empty(fp8_scale_shape(r.shape), dtype=torch.float32, device=reader.device)
+    for e, (part, k) in enumerate(zip(r.parts, keep)):
+        we, se = reader.read_fp8(part) if k else reader.quantize(reader.read(part))
+        w8[e].copy_(we)
+        sc[e].copy_(se)
+    return w8, sc
+
 
 def load_weights(path: str | Path, cfg: ModelConfig | None = None, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, progress: bool = True,
-                 allow_missing_mtp: bool = False) -> dict[str, torch.Tensor]:
+                 allow_missing_mtp: bool = False, quantization: str = "none") -> dict[str, torch.Tensor]:
     """Load every canonical tensor of the checkpoint at ``path`` onto ``device``.
 
     ``cfg`` defaults to the checkpoint's own ``config.json``. Tensors are cast to ``dtype`` except
-    the fp32 set (:func:`glm5.weights.is_fp32_weight`); fp8 block-quantized weights are
-    dequantized first. Routed experts come back stacked. With ``allow_missing_mtp=True`` a
-    checkpoint without the config's MTP layers loads (and the MTP names are absent from the
-    result); MTP tensors that are present are always returned. Raises :class:`CheckpointError`
-    listing every problem if the checkpoint does not match ``cfg``.
+    the fp32 set (:func:`glm5.weights.is_fp32_weight`). fp8 block-quantized weights are dequantized
+    (``quantization="none"``) or kept as fp8 with their scales under ``<name>_scale_inv``
+    (``"auto"``; ``"fp8"`` also quantizes the other projections): see the module docstring. Routed
+    experts come back stacked (fp8 stacks with stacked ``[E, ...]`` scales). With
+    ``allow_missing_mtp=True`` a checkpoint without the config's MTP layers loads (and the MTP names
+    are absent from the result); MTP tensors that are present are always returned. Raises
+    :class:`CheckpointError` listing every problem if the checkpoint does not match ``cfg``.
     """
+    _check_quantization(quantization)
     path = Path(path)
     if cfg is None:
         cfg = ModelConfig.from_pretrained(path if path.is_dir() else path.parent)
@@ -358,6 +443,11 @@ def load_weights(path: str | Path, cfg: ModelConfig | None = None, device: str |
                    leave=False)
         for r in bar:
             want = torch.float32 if is_fp32_weight(r.name) else dtype
+            fp8 = None if quantization == "none" else _load_fp8(reader, r, online=quantization == "fp8")
+            if fp8 is not None:
+                out[r.name], out[r.name + SCALE_SUFFIX] = fp8
+                total += fp8[0].numel() + fp8[1].numel() * 4
+                continue
             if r.parts[0].target.kind == "expert":
                 t = torch.empty(r.shape, dtype=want, device=dev)
                 for e, part in enumerate(r.parts):
@@ -369,9 +459,11 @@ def load_weights(path: str | Path, cfg: ModelConfig | None = None, device: str |
             out[r.name] = t
             total += t.numel() * t.element_size()
         bar.close()
-    logger.info("loaded %d tensors (%.2f GiB, %s) from %d file(s) in %s in %.1fs%s", len(out), total / 2**30,
-                dtype, len(files), path, time.perf_counter() - t0,
-                f"; dequantized {reader.dequantized} fp8 tensors" if reader.dequantized else "")
+    fp8_note = ", ".join(f"{what} {n} fp8 tensors" for what, n in (
+        ("kept", reader.kept), ("quantized", reader.quantized), ("dequantized", reader.dequantized)) if n)
+    logger.info("loaded %d tensors (%.2f GiB, %s, quantization=%s) from %d file(s) in %s in %.1fs%s", len(out),
+                total / 2**30, dtype, quantization, len(files), path, time.perf_counter() - t0,
+                f"; {fp8_note}" if fp8_note else "")
     return out
 
 
