@@ -9,6 +9,9 @@ from typing import Any
 
 import torch
 
+#: where the prefix cache can take state snapshots (glm5.engine.kv_cache_manager explains each)
+SNAPSHOT_POINTS = ("request_end", "preempted", "prompt_end", "junction")
+
 
 @dataclass
 class EngineArgs:
@@ -29,6 +32,12 @@ class EngineArgs:
     decode_path: str = "auto"           # auto (batched on CUDA) | batched | per_request (the reference loops)
     enforce_eager: bool = False         # True: no decode CUDA graphs (vLLM's flag name)
     cuda_graph_max_batch: int | None = None  # largest captured decode batch (default max_num_seqs)
+    # prefix caching (docs/prefix-caching.md): reuse cached MLA blocks + KDA state snapshots across requests
+    enable_prefix_caching: bool = True  # vLLM's flag name
+    prefix_cache_snapshot_memory_gb: float = 1.0  # byte budget of the state-snapshot pool
+    prefix_cache_checkpoint_interval: int = 0     # also snapshot every N blocks of a prefill (0: off)
+    # where state snapshots are taken (comma-separated subset of SNAPSHOT_POINTS)
+    prefix_cache_snapshot_points: str = "request_end,preempted,prompt_end,junction"
 
     def __post_init__(self) -> None:
         checks = [("max_model_len", self.max_model_len, 1), ("max_num_seqs", self.max_num_seqs, 1),
@@ -48,8 +57,24 @@ class EngineArgs:
             raise ValueError(f"decode_path={self.decode_path!r}: use auto, batched or per_request")
         if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch < 1:
             raise ValueError(f"cuda_graph_max_batch={self.cuda_graph_max_batch}: must be >= 1 (or unset)")
+        if not (self.prefix_cache_snapshot_memory_gb > 0 and math.isfinite(self.prefix_cache_snapshot_memory_gb)):
+            raise ValueError(f"prefix_cache_snapshot_memory_gb={self.prefix_cache_snapshot_memory_gb}: must be a "
+                             "positive number (or set enable_prefix_caching=false)")
+        if not isinstance(self.prefix_cache_checkpoint_interval, int) or self.prefix_cache_checkpoint_interval < 0:
+            raise ValueError(f"prefix_cache_checkpoint_interval={self.prefix_cache_checkpoint_interval!r}: must be an "
+                             "integer >= 0 (blocks between prefill snapshots; 0 = off)")
+        bad = sorted(set(self.snapshot_points) - set(SNAPSHOT_POINTS))
+        if bad:
+            raise ValueError(f"prefix_cache_snapshot_points={self.prefix_cache_snapshot_points!r}: unknown {bad}; "
+                             f"use a comma-separated subset of {', '.join(SNAPSHOT_POINTS)}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r}: must be true or false")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r}: use auto, float32, bfloat16 or float16")
+
+    @property
+    def snapshot_points(self) -> frozenset[str]:
+        return frozenset(p.strip() for p in self.prefix_cache_snapshot_points.split(",") if p.strip())
 
     @property
     def torch_device(self) -> torch.device:

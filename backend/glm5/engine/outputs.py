@@ -33,6 +33,7 @@ class RequestOutput:
     prompt_text: str | None = None
     metrics: RequestMetrics | None = None
     stop_reason: str | int | None = None
+    num_cached_tokens: int = 0     # prompt tokens reused from the prefix cache (vLLM's name)
 
 
 @dataclass
@@ -48,6 +49,10 @@ class EngineStats:
     generation_tokens_total: int
     encoder_cache_hits: int = 0
     vision_calls: int = 0
+    # prefix caching, in tokens (vLLM's prefix_cache_queries / prefix_cache_hits): looked up at admissions,
+    # and of those found in the cache
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     # speculative decoding (None when off): SpecStats.to_dict()
     speculative: dict | None = None
 
@@ -63,3 +68,5 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[dict] | None = None
     metrics: RequestMetrics | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
