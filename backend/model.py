@@ -76,6 +76,7 @@ INPUTS: list[dict[str, Any]] = [
     {"name": "return_num_input_tokens", "data_type": "TYPE_BOOL", "dims": [1], **_OPT},
     {"name": "return_num_output_tokens", "data_type": "TYPE_BOOL", "dims": [1], **_OPT},
     {"name": "return_logprobs", "data_type": "TYPE_BOOL", "dims": [1], **_OPT},
+    {"name": "return_num_cached_tokens", "data_type": "TYPE_BOOL", "dims": [1], **_OPT},
     {"name": "stop", "data_type": "TYPE_BOOL", "dims": [1], **_OPT},
     # Preprocessed tensors from the `preprocess` model (ensemble path); empty = absent.
     {"name": "input_ids", "data_type": "TYPE_INT64", "dims": [-1], **_OPT},
@@ -90,6 +91,8 @@ OUTPUTS: list[dict[str, Any]] = [
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
     {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
+    # prompt tokens reused from the prefix cache (vLLM's num_cached_tokens; OpenAI usage.cached_tokens)
+    {"name": "num_cached_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
 ]
 MM_TENSORS = ("input_ids", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
@@ -144,6 +147,12 @@ class _Metrics:
         self.finished = fam("glm5:request_finished_total", "Requests finished by the engine",
                             MF.COUNTER).Metric(labels)
         self.preempted = fam("glm5:request_preempted_total", "Preemptions", MF.COUNTER).Metric(labels)
+        self.prefix_queries = fam("glm5:prefix_cache_queries_total",
+                                  "Prompt tokens looked up in the prefix cache (vLLM prefix_cache_queries)",
+                                  MF.COUNTER).Metric(labels)
+        self.prefix_hits = fam("glm5:prefix_cache_hits_total",
+                               "Prompt tokens found in the prefix cache (vLLM prefix_cache_hits)",
+                               MF.COUNTER).Metric(labels)
         self.errors = fam("glm5:request_error_total", "Requests answered with an error", MF.COUNTER).Metric(labels)
         self.running = fam("glm5:num_requests_running", "Requests in the running batch", MF.GAUGE).Metric(labels)
         self.waiting = fam("glm5:num_requests_waiting", "Requests waiting to be scheduled", MF.GAUGE).Metric(labels)
@@ -193,6 +202,8 @@ class _Metrics:
         self._counter_from_total(self.aborted, "aborted", float(st.aborted_total))
         self._counter_from_total(self.finished, "finished", float(st.finished_total))
         self._counter_from_total(self.preempted, "preempted", float(st.preempted_total))
+        self._counter_from_total(self.prefix_queries, "prefix_queries", float(getattr(st, "prefix_cache_queries", 0)))
+        self._counter_from_total(self.prefix_hits, "prefix_hits", float(getattr(st, "prefix_cache_hits", 0)))
         spec = getattr(st, "speculative", None)
         if spec:
             self._counter_from_total(self.spec_drafts, "spec_drafts", float(sum(spec["proposed"])))
@@ -463,7 +474,8 @@ class TritonPythonModel:
                                 return_finish_reason=_bool(request, "return_finish_reason"),
                                 return_num_input_tokens=_bool(request, "return_num_input_tokens"),
                                 return_num_output_tokens=_bool(request, "return_num_output_tokens"),
-                                return_logprobs=_bool(request, "return_logprobs"))
+                                return_logprobs=_bool(request, "return_logprobs"),
+                                return_num_cached_tokens=_bool(request, "return_num_cached_tokens"))
         flags.prompt_prefix = text or None
         if flags.return_logprobs and sp.get("logprobs") is None:
             sp["logprobs"] = 0      # the sampled token's logprob only
@@ -553,6 +565,9 @@ class TritonPythonModel:
         if flags.return_logprobs:
             tensors.append(pb_utils.Tensor("logprobs", np.array([json.dumps(logprobs or []).encode()],
                                                                 dtype=np.object_)))
+        if flags.return_num_cached_tokens:
+            cached = int(getattr(out, "num_cached_tokens", 0) or 0)
+            tensors.append(pb_utils.Tensor("num_cached_tokens", np.array([cached], dtype=np.uint32)))
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     # ------------------------------------------------------------------ sending

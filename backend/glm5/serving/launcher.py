@@ -479,7 +479,8 @@ class TritonServerProcess:
 # ---------------------------------------------------------------------------------------------
 
 _ENGINE_FLAGS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                 "num_cache_blocks", "cache_memory_gb", "num_speculative_tokens", "seed")
+                 "num_cache_blocks", "cache_memory_gb", "num_speculative_tokens", "seed",
+                 "prefix_cache_snapshot_memory_gb", "prefix_cache_checkpoint_interval")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -502,12 +503,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-verbose", type=int, default=0)
     for name in _ENGINE_FLAGS:
         parser.add_argument("--" + name.replace("_", "-"), dest=name, help=f"engine {name} (config parameter)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="prefix caching (engine default: on)")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="any other glm5 config.pbtxt parameter, repeatable")
 
 
 def run(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k, None) is not None}
+    if getattr(args, "enable_prefix_caching", None) is not None:
+        overrides["enable_prefix_caching"] = "true" if args.enable_prefix_caching else "false"
     for kv in args.engine_arg:
         if "=" not in kv:
             raise SystemExit(f"--engine-arg expects KEY=VALUE, got {kv!r}")

@@ -132,6 +132,7 @@ class OutputFlags:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_logprobs: bool = False
+    return_num_cached_tokens: bool = False
     # what non-streaming responses prepend: ``text_input`` when the request has one (vllm_backend's
     # rule, the same on the direct and the ensemble path), else the engine's rendered prompt
     prompt_prefix: str | None = None
