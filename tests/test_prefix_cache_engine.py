@@ -155,6 +155,23 @@ def test_follow_up_turns_reuse_the_previous_prompt_and_answer(pair):
     assert_pools_idle(on)
 
 
+def test_a_full_snapshot_pool_keeps_every_conversations_next_turn(pair):
+    """Each turn saves a prompt-end and a request-end snapshot; with room for one per conversation plus
+    one, the superseded ones (the turn's prompt end, the previous turn's end) must be those evicted."""
+    ckpt, _ = pair
+    convs = 3
+    eng = make(ckpt, snapshots=convs + 1)
+    hists = [random_prompt(20 + c, VOCAB, 40 + c) for c in range(convs)]
+    for turn in range(3):
+        for c in range(convs):            # round robin: every other conversation's snapshots come in between
+            out = eng.generate([hists[c]], greedy(5))[0]
+            if turn:
+                assert out.num_cached_tokens == len(hists[c]) - 7, f"conversation {c} turn {turn} missed"  # 6 new, 1 unfed
+            hists[c] = hists[c] + out.token_ids + random_prompt(6, VOCAB, 500 + 10 * turn + c)
+    assert eng.kv.saved_by_kind["prompt_end"] == eng.kv.saved_by_kind["request_end"] == 3 * convs
+    assert_pools_idle(eng)
+
+
 def test_seeded_sampling_multi_turn_is_identical_with_and_without_the_cache(pair):
     ckpt, _ = pair
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=42, max_tokens=6, ignore_eos=True)

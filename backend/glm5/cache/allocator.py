@@ -98,6 +98,10 @@ class FreeList:
         """Mark a cached free id as just used: it is evicted after every other cached id."""
         self._cached.move_to_end(i)
 
+    def demote(self, i: int) -> None:
+        """Mark a cached free id as least valuable: it is the next one evicted."""
+        self._cached.move_to_end(i, last=False)
+
     def forget(self, i: int) -> None:
         """A cached free id no longer holds anything useful: move it to the empty ids."""
         if i in self._cached:

@@ -105,6 +105,12 @@ class StateSnapshotPool:
         """Saved snapshots whose full blocks are the prefix ``chain``."""
         return [(i, self.entries[i]) for i in self._by_chain.get(chain, ())]  # type: ignore[misc]
 
+    def demote(self, key: bytes) -> None:
+        """Make the snapshot with ``key`` (if still held) the next one evicted."""
+        i = self._by_key.get(key)
+        if i is not None:
+            self.free_list.demote(i)
+
     def _forget(self, i: int) -> None:
         snap = self.entries[i]
         if snap is None:

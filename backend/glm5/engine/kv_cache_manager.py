@@ -76,6 +76,10 @@ def _common_prefix(a: list[int], b: tuple[int, ...]) -> int:
 
 
 class KVCacheManager:
+    """Blocks, state slots and (with ``prefix``) the prefix cache of one engine. The scheduler calls
+    :meth:`match` / :meth:`admit` at admission, :meth:`grow` for running requests and :meth:`release`
+    when a request leaves; the engine calls :meth:`after_step` once a step's rows are final."""
+
     def __init__(self, cache: HybridCache, num_blocks: int, num_slots: int, prefix: PrefixCacheConfig | None):
         self.cache = cache
         self.block_size = cache.block_size
@@ -148,6 +152,9 @@ class KVCacheManager:
         p = m.num_cached_tokens
         if m.snapshot is not None and self.snapshots is not None:
             self.snapshots.restore(m.snapshot, seq.state_slot, seq.block_table[p // bs] if p % bs else None)
+            resumed = self.snapshots.entries[m.snapshot]
+            if resumed is not None and resumed.kind in ("request_end", "preempted"):
+                seq.superseded_snapshots.append(resumed.key)
         else:
             self.cache.reset_slot(seq.state_slot)
         seq.num_computed_tokens = p
@@ -210,6 +217,12 @@ class KVCacheManager:
         bs, la = self.block_size, self.lookahead
         if position <= 0 or position + la > seq.num_tokens:
             return
+        if kind in ("request_end", "preempted"):
+            # superseded on this request's own path: its prompt-end snapshot (which only serves prompts that
+            # extend this prompt without the answer) and the previous turn's end it resumed from (which only
+            # serves edits of that turn) are evicted first when the pool is full
+            for key in seq.superseded_snapshots:
+                self.snapshots.demote(key)
         chain = self._chain(seq)
         k = position // bs
         snap = Snapshot(key=chain.snapshot_key(seq.tokens, position), position=position, chain=chain.prefix(k),
@@ -218,6 +231,8 @@ class KVCacheManager:
         self.snapshots.save(snap, seq.state_slot, seq.block_table[k] if position % bs else None)
         if self.snapshots.saved > before:
             self.saved_by_kind[kind] += 1
+        if kind == "prompt_end":
+            seq.superseded_snapshots.append(snap.key)
 
     def release(self, seq: Sequence, snapshot: str | None = "request_end") -> None:
         """Free ``seq``'s blocks (registered ones stay cached) and slot; with ``snapshot`` (its kind:

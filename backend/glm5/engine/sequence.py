@@ -79,6 +79,8 @@ class Sequence:
     prefix_chain: TokenChain | None = None       # chained block keys of the tokens so far
     num_registered_blocks: int = 0               # leading blocks of block_table that are registered / shared
     checkpoints: dict[int, str] = field(default_factory=dict)  # prefill positions where a snapshot is planned → kind
+    # snapshots on this request's own path that its request-end snapshot supersedes (evicted first)
+    superseded_snapshots: list[bytes] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
