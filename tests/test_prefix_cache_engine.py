@@ -361,6 +361,21 @@ def test_abort_leaves_a_snapshot_and_frees_everything(pair):
     assert_pools_idle(eng)
 
 
+def test_a_failing_step_frees_finished_requests_without_snapshotting_them(pair):
+    ckpt, _ = pair
+    eng = make(ckpt)
+    eng.add_request("x", random_prompt(20, VOCAB, 81), greedy(1))   # finishes in its first step
+
+    def broken(seq):
+        raise RuntimeError("boom")
+
+    eng.kv.after_step = broken
+    with pytest.raises(RuntimeError, match="boom"):
+        eng.step()
+    assert eng.kv.saved_by_kind["request_end"] == 0 and eng.kv.snapshots.num_saved == 0
+    assert eng.kv.blocks.num_used == 0 and eng.kv.slots.num_free == eng.kv.slots.capacity
+
+
 def test_a_one_snapshot_pool_stays_correct_under_eviction(pair):
     ckpt, _ = pair
     prompts = shared_prompts(2 * BS + 6, seed=71, n=4) + shared_prompts(3 * BS + 1, seed=72, n=4)
@@ -405,6 +420,26 @@ def test_image_prefix_hits_only_for_the_same_image(pair):
     p, kw = reqs[2]
     assert got[2].token_ids == hf_greedy(hf, p.mm_inputs["input_ids"].tolist(), 5, **kw)
     assert_pools_idle(on)
+
+
+def test_video_prefix_hits_only_for_the_same_video(pair):
+    from test_engine_oracle_more import MMPrompts, mm_request
+
+    ckpt, hf = pair
+    b = MMPrompts(ckpt, hf)
+    vid, other = b.video(2, 4, 4, seed=3), b.video(2, 4, 4, seed=4)   # same grid: same placeholder ids
+    head, video_part, tail = b.text(4, 1), b.video_tokens(vid[1]), b.text(3, 2)
+    shared = len(head) + len(video_part) + len(tail)
+    reqs = [mm_request(head + video_part + tail + b.text(5, 20 + i), video=v)
+            for i, v in enumerate([vid, vid, vid, other])]
+    got = one_by_one(make(ckpt), [p for p, _ in reqs], greedy(4))
+    ref = one_by_one(make(ckpt, on=False), [p for p, _ in reqs], greedy(4))
+    assert [g.token_ids for g in got] == [x.token_ids for x in ref]
+    assert got[2].num_cached_tokens == shared
+    first_placeholder = head + video_part
+    assert got[3].num_cached_tokens <= first_placeholder.index(b.ids["<|image|>"])
+    p, kw = reqs[2]
+    assert got[2].token_ids == hf_greedy(hf, p.mm_inputs["input_ids"].tolist(), 4, **kw)
 
 
 def test_prompt_input_text_and_cache_off_by_argument(pair):

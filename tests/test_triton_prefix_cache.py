@@ -1,6 +1,7 @@
 """Prefix caching through a real tritonserver (2.51, nvidia-pytriton) on the tiny checkpoint: the
-per-request ``num_cached_tokens`` output (asked for with ``return_num_cached_tokens``) and the
-``glm5:prefix_cache_queries_total`` / ``glm5:prefix_cache_hits_total`` metrics moving."""
+per-request ``num_cached_tokens`` output (asked for with ``return_num_cached_tokens``, on the glm5 model
+and through the multimodal ensemble) and the ``glm5:prefix_cache_queries_total`` /
+``glm5:prefix_cache_hits_total`` metrics moving."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ QUESTIONS = ["Where does the river rise?", "How many towns does it pass?", "Whic
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("triton_prefix") / "server.log"
-    with TritonServerProcess(model_dir=str(tiny_checkpoint_dir), models=("glm5",), log_file=log,
+    with TritonServerProcess(model_dir=str(tiny_checkpoint_dir), log_file=log,
                              engine_overrides=ENGINE_SETTINGS, ready_timeout_s=240) as srv:
         yield srv
 
@@ -38,9 +39,9 @@ def metric(srv: TritonServerProcess, name: str) -> float:
     return float(m.group(1))
 
 
-def generate(srv: TritonServerProcess, text: str, **flags) -> dict:
+def generate(srv: TritonServerProcess, text: str, model: str = "glm5", **flags) -> dict:
     body = json.dumps({"text_input": text, "parameters": GREEDY, **flags}).encode()
-    req = urllib.request.Request(f"http://{srv.http_url}/v2/models/glm5/generate", data=body, method="POST",
+    req = urllib.request.Request(f"http://{srv.http_url}/v2/models/{model}/generate", data=body, method="POST",
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:  # noqa: S310 (loopback test server)
         return json.loads(r.read())
@@ -73,3 +74,10 @@ def test_shared_system_prompt_hits_and_metrics_move(server, tiny_checkpoint_dir)
         time.sleep(0.2)
     assert q - q0 >= sum(len(x) for x in ids), (q0, q)
     assert h - h0 == sum(cached), (h0, h, cached)
+
+
+def test_ensemble_returns_num_cached_tokens(server):
+    """The ensemble forwards the flag and the output; its glm5 step shares the engine (and its cache)."""
+    outs = [generate(server, SYSTEM + q, model="glm5_multimodal", return_num_cached_tokens=True)
+            for q in ("Is there a bridge?", "Is there a ferry?", "Is there a dam?")]
+    assert scalar(outs[2]["num_cached_tokens"]) > 32, outs

@@ -313,19 +313,23 @@ class LLMEngine:
                 if c.seq.is_finished:
                     finished.append(c.seq)
                     valid_rows[ci] -= self._trim_to_output(c, batch, valid_rows[ci])
-        if self.runner.mtp is not None:
-            self._propose(sched, batch, model_out.hidden, valid_rows, {ci for ci, _, _ in sample_idx})
-        # the step's rows are final (MTP rows included): share its full blocks, take planned snapshots,
-        # then release what finished (with a snapshot at its end: the next chat turn starts there)
-        for c in sched.chunks:
-            self.kv.after_step(c.seq)
-        for seq in finished:
-            self.scheduler.release_finished(seq)
+        complete = False
+        try:
+            if self.runner.mtp is not None:
+                self._propose(sched, batch, model_out.hidden, valid_rows, {ci for ci, _, _ in sample_idx})
+            # the step's rows are final (MTP rows included): share its full blocks, take planned snapshots,
+            # then release what finished (with a snapshot at its end: the next chat turn starts there)
+            for c in sched.chunks:
+                self.kv.after_step(c.seq)
+            complete = True
+        finally:  # a failed step still frees what finished, but leaves no snapshot of a half-updated state
+            for seq in finished:
+                self.scheduler.release_finished(seq, snapshot=complete)
         return outputs
 
     def _trim_to_output(self, chunk, batch, valid_rows: int) -> int:
-        """A verification chunk can accept more rows than the finished output keeps (a stop token or
-        max_tokens inside the accepted drafts): roll its states back to the last kept token, so that the
+        """A verification chunk can accept more rows than the finished output keeps (a stop token or stop
+        string inside the accepted drafts): roll its states back to the last kept token, so that the
         end-of-request snapshot holds exactly the request's tokens. Returns the rows dropped."""
         seq = chunk.seq
         excess = seq.num_computed_tokens - (seq.num_tokens - 1)

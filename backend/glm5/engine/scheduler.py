@@ -87,9 +87,9 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def release_finished(self, seq: Sequence) -> None:
-        """Release a request finished with ``release=False`` (snapshotting its end state)."""
-        self.kv.release(seq)
+    def release_finished(self, seq: Sequence, snapshot: bool = True) -> None:
+        """Release a request finished with ``release=False`` (snapshotting its end state unless told not to)."""
+        self.kv.release(seq, snapshot="request_end" if snapshot else None)
 
     def ensure_blocks(self, seq: Sequence, num_positions: int) -> bool:
         """Make ``seq``'s block table cover ``num_positions`` positions if blocks are free (MTP drafts)."""
