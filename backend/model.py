@@ -95,6 +95,7 @@ OUTPUTS: list[dict[str, Any]] = [
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
     {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
+    # prompt tokens reused from the prefix cache (vLLM's num_cached_tokens; OpenAI usage.cached_tokens)
     {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
     {"name": "prompt_logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "num_cached_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
@@ -153,6 +154,12 @@ class _Metrics:
         self.finished = fam("glm5:request_finished_total", "Requests finished by the engine",
                             MF.COUNTER).Metric(labels)
         self.preempted = fam("glm5:request_preempted_total", "Preemptions", MF.COUNTER).Metric(labels)
+        self.prefix_queries = fam("glm5:prefix_cache_queries_total",
+                                  "Prompt tokens looked up in the prefix cache (vLLM prefix_cache_queries)",
+                                  MF.COUNTER).Metric(labels)
+        self.prefix_hits = fam("glm5:prefix_cache_hits_total",
+                               "Prompt tokens found in the prefix cache (vLLM prefix_cache_hits)",
+                               MF.COUNTER).Metric(labels)
         self.errors = fam("glm5:request_error_total", "Requests answered with an error", MF.COUNTER).Metric(labels)
         self.running = fam("glm5:num_requests_running", "Requests in the running batch", MF.GAUGE).Metric(labels)
         self.waiting = fam("glm5:num_requests_waiting", "Requests waiting to be scheduled", MF.GAUGE).Metric(labels)
@@ -212,6 +219,8 @@ class _Metrics:
         self._counter_from_total(self.finished, "finished", float(st.finished_total))
         self._counter_from_total(self.preempted, "preempted", float(st.preempted_total))
         self.vllm.update_stats(st)
+        self._counter_from_total(self.prefix_queries, "prefix_queries", float(getattr(st, "prefix_cache_queries", 0)))
+        self._counter_from_total(self.prefix_hits, "prefix_hits", float(getattr(st, "prefix_cache_hits", 0)))
         spec = getattr(st, "speculative", None)
         if spec:
             self._counter_from_total(self.spec_drafts, "spec_drafts", float(sum(spec["proposed"])))

@@ -9,6 +9,9 @@ from typing import Any
 
 import torch
 
+#: where the prefix cache can take state snapshots (glm5.engine.kv_cache_manager explains each)
+SNAPSHOT_POINTS = ("request_end", "preempted", "prompt_end", "junction")
+
 
 @dataclass
 class EngineArgs:
@@ -31,6 +34,12 @@ class EngineArgs:
     cuda_graph_max_batch: int | None = None  # largest captured decode batch (default max_num_seqs)
     quantization: str = "auto"          # auto (fp8 checkpoint weights stay fp8 on CUDA) | fp8 (also quantize the
     #                                     other projections at load) | none (dequantize to dtype); docs/fp8.md
+    # prefix caching (docs/prefix-caching.md): reuse cached MLA blocks + KDA state snapshots across requests
+    enable_prefix_caching: bool = True  # vLLM's flag name
+    prefix_cache_snapshot_memory_gb: float = 1.0  # byte budget of the state-snapshot pool
+    prefix_cache_checkpoint_interval: int = 0     # also snapshot every N blocks of a prefill (0: off)
+    # where state snapshots are taken (comma-separated subset of SNAPSHOT_POINTS)
+    prefix_cache_snapshot_points: str = "request_end,preempted,prompt_end,junction"
 
     def __post_init__(self) -> None:
         checks = [("max_model_len", self.max_model_len, 1), ("max_num_seqs", self.max_num_seqs, 1),
@@ -53,8 +62,24 @@ class EngineArgs:
         if self.quantization not in ("auto", "fp8", "none"):
             raise ValueError(f"quantization={self.quantization!r}: use auto (keep the checkpoint's fp8 weights in fp8 "
                              "on CUDA), fp8 (also quantize the other projections at load) or none (dequantize)")
+        if not (self.prefix_cache_snapshot_memory_gb > 0 and math.isfinite(self.prefix_cache_snapshot_memory_gb)):
+            raise ValueError(f"prefix_cache_snapshot_memory_gb={self.prefix_cache_snapshot_memory_gb}: must be a "
+                             "positive number (or set enable_prefix_caching=false)")
+        if not isinstance(self.prefix_cache_checkpoint_interval, int) or self.prefix_cache_checkpoint_interval < 0:
+            raise ValueError(f"prefix_cache_checkpoint_interval={self.prefix_cache_checkpoint_interval!r}: must be an "
+                             "integer >= 0 (blocks between prefill snapshots; 0 = off)")
+        bad = sorted(set(self.snapshot_points) - set(SNAPSHOT_POINTS))
+        if bad:
+            raise ValueError(f"prefix_cache_snapshot_points={self.prefix_cache_snapshot_points!r}: unknown {bad}; "
+                             f"use a comma-separated subset of {', '.join(SNAPSHOT_POINTS)}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r}: must be true or false")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r}: use auto, float32, bfloat16 or float16")
+
+    @property
+    def snapshot_points(self) -> frozenset[str]:
+        return frozenset(p.strip() for p in self.prefix_cache_snapshot_points.split(",") if p.strip())
 
     @property
     def torch_device(self) -> torch.device:

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 
-from glm5.cache.allocator import BlockAllocator, SlotAllocator
 from glm5.cache.hybrid_cache import CacheConfig, check_block_size
+from glm5.cache.snapshot_pool import StateSnapshotPool
 from glm5.config import ModelConfig
 from glm5.engine.args import EngineArgs
-from glm5.engine.model_runner import ModelRunner
+from glm5.engine.kv_cache_manager import KVCacheManager, PrefixCacheConfig
+from glm5.engine.model_runner import ModelRunner, describe_media
 from glm5.engine.outputs import CompletionOutput, EngineStats, PromptInput, RequestOutput
 from glm5.engine.prompt_logprobs import score as score_prompt_logprobs
 from glm5.engine.scheduler import Scheduler
@@ -94,10 +95,10 @@ class LLMEngine:
         if self.device.type == "cuda" and not args.enforce_eager:
             self.runner.capture_cuda_graphs(args.cuda_graph_max_batch or args.max_num_seqs)
         self.spec_stats = SpecStats(args.num_speculative_tokens) if args.num_speculative_tokens else None
-        self.blocks = BlockAllocator(cache_cfg.num_blocks)
-        self.slots = SlotAllocator(cache_cfg.num_state_slots)
-        self.scheduler = Scheduler(self.blocks, self.slots, args.block_size, args.max_num_seqs,
-                                   args.max_num_batched_tokens, on_slot_allocated=self.runner.cache.reset_slot)
+        self.kv = KVCacheManager(self.runner.cache, cache_cfg.num_blocks, cache_cfg.num_state_slots,
+                                 self._prefix_cache_config(args))
+        self.blocks, self.slots = self.kv.blocks, self.kv.slots
+        self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         self._requests: dict[str, _RequestState] = {}
         self._pending_outputs: list[RequestOutput] = []
@@ -119,6 +120,25 @@ class LLMEngine:
                     b.index_backend(dev, self.dtype), b.moe_backend(dev, self.dtype), b.mhc_backend(dev, self.dtype),
                     b.fp8_linear_backend(dev, self.dtype), b.sampling_backend(dev),
                     "batched" if self.runner.batched_decode else "per_request")
+
+    def _prefix_cache_config(self, args: EngineArgs) -> PrefixCacheConfig | None:
+        """Prefix caching settings, with the snapshot pool sized from its byte budget."""
+        if not args.enable_prefix_caching:
+            return None
+        per = StateSnapshotPool.bytes_per_snapshot(self.runner.cache)
+        n = int(args.prefix_cache_snapshot_memory_gb * 2**30 // per)
+        if n < 1:
+            raise ValueError(f"prefix_cache_snapshot_memory_gb={args.prefix_cache_snapshot_memory_gb} holds no state "
+                             f"snapshot ({per / 2**20:.1f} MiB each on this model); raise it to at least "
+                             f"{per / 2**30:.3f} or set enable_prefix_caching=false")
+        logger.info("prefix caching on: %d state snapshots x %.2f MiB (%.2f GiB), checkpoint interval %s",
+                    n, per / 2**20, n * per / 2**30,
+                    f"{args.prefix_cache_checkpoint_interval} blocks" if args.prefix_cache_checkpoint_interval else "off")
+        # lookahead: the MTP layer's cache row at p is computed from token p+1 (glm5.cache.prefix_keys);
+        # junctions: a split that saves later requests less than a block is not worth its extra step
+        return PrefixCacheConfig(num_snapshots=n, lookahead=1 if self.runner.mtp is not None else 0,
+                                 checkpoint_interval=args.prefix_cache_checkpoint_interval,
+                                 points=args.snapshot_points, min_junction_gain=args.block_size)
 
     @staticmethod
     def _load_tokenizer(path: str):
@@ -238,6 +258,8 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens but max_model_len={self.max_model_len} leaves no room "
                              "to generate; shorten the prompt or raise max_model_len (and the cache: num_cache_blocks "
                              "/ cache_memory_gb)")
+        if mm is not None and self.model_config.vision is not None:
+            describe_media(mm, self.model_config.vision.spatial_merge_size ** 2)
         seq = Sequence(request_id=request_id, prompt_token_ids=ids, params=params,
                        eos_token_ids=self.eos_token_ids, arrival_order=next(self._order), mm=mm)
         if params.seed is not None:
@@ -278,7 +300,8 @@ class LLMEngine:
                              finish_reason=s.finish_reason if finished else None,
                              num_prompt_tokens=s.num_prompt_tokens, num_output_tokens=len(s.output_token_ids),
                              logprobs=logprobs, prompt_text=st.prompt_text, metrics=s.metrics,
-                             stop_reason=s.stop_reason, prompt_logprobs=prompt_lps)
+                             stop_reason=s.stop_reason, prompt_logprobs=prompt_lps,
+                             num_cached_tokens=s.num_cached_tokens or 0)
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
@@ -310,14 +333,40 @@ class LLMEngine:
                 new_tokens[ci] = (self._verify(sched.chunks[ci], batch, model_out.logits[row:row + n]), [])
                 valid_rows[ci] += len(new_tokens[ci][0]) - 1
         now = time.time()
+        finished: list[Sequence] = []
         for ci, c in enumerate(sched.chunks):
             c.seq.draft_tokens, c.seq.draft_probs = [], None
             if ci in new_tokens:
                 toks, lps = new_tokens[ci]
                 outputs.append(self._append_tokens(c.seq, toks, lps, now))
-        if self.runner.mtp is not None:
-            self._propose(sched, batch, model_out.hidden, valid_rows, {ci for ci, _, _ in sample_idx})
+                if c.seq.is_finished:
+                    finished.append(c.seq)
+                    valid_rows[ci] -= self._trim_to_output(c, batch, valid_rows[ci])
+        complete = False
+        try:
+            if self.runner.mtp is not None:
+                self._propose(sched, batch, model_out.hidden, valid_rows, {ci for ci, _, _ in sample_idx})
+            # the step's rows are final (MTP rows included): share its full blocks, take planned snapshots,
+            # then release what finished (with a snapshot at its end: the next chat turn starts there)
+            for c in sched.chunks:
+                self.kv.after_step(c.seq)
+            complete = True
+        finally:  # a failed step still frees what finished, but leaves no snapshot of a half-updated state
+            for seq in finished:
+                self.scheduler.release_finished(seq, snapshot=complete)
         return outputs
+
+    def _trim_to_output(self, chunk, batch, valid_rows: int) -> int:
+        """A verification chunk can accept more rows than the finished output keeps (a stop token or stop
+        string inside the accepted drafts): roll its states back to the last kept token, so that the
+        end-of-request snapshot holds exactly the request's tokens. Returns the rows dropped."""
+        seq = chunk.seq
+        excess = seq.num_computed_tokens - (seq.num_tokens - 1)
+        if excess <= 0 or not self.kv.enabled or not chunk.num_drafts:
+            return 0
+        self.runner.rollback(batch, seq.state_slot, valid_rows - excess)
+        seq.num_computed_tokens -= excess
+        return excess
 
     # ------------------------------------------------------------------ speculative decoding
     def _generator(self, seq: Sequence) -> torch.Generator:
@@ -364,13 +413,14 @@ class LLMEngine:
         entries, rows, want = [], [], []
         for ci, c in enumerate(sched.chunks):
             seq, v = c.seq, valid_rows[ci]
-            if seq.is_finished or seq.state_slot is None:
+            # a finished request's rows are caught up only for its end-of-request snapshot (prefix caching)
+            if seq.state_slot is None or (seq.is_finished and not self.kv.enabled):
                 continue
             lo = seq.num_computed_tokens - v
             entries.append((seq, lo, seq.tokens(lo + 1, lo + v + 1)))
             start = batch.seqs[ci].start
             rows.append(hidden[start:start + v])
-            want.append(ci in sampled and self._num_drafts(seq) > 0)
+            want.append(ci in sampled and not seq.is_finished and self._num_drafts(seq) > 0)
         if not entries:
             return
         shared = {} if self.model_config.text.index_share_for_mtp_iteration else None
@@ -427,7 +477,7 @@ class LLMEngine:
         seq.logprobs.extend(lps)
         if finished:
             seq.stop_reason = step.stop_reason
-            self.scheduler.finish(seq, reason)
+            self.scheduler.finish(seq, reason, release=False)  # released at the end of the step
             self.finished_total += 1
             del self._requests[seq.request_id]
         return self._output(st, accepted, text, finished, lps or None)
@@ -441,6 +491,7 @@ class LLMEngine:
             free_state_slots=self.slots.num_free, prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             encoder_cache_hits=self.runner.encoder_cache.hits, vision_calls=self.runner.vision_calls,
+            prefix_cache_queries=self.kv.queries, prefix_cache_hits=self.kv.hits,
             speculative=self.spec_stats.to_dict() if self.spec_stats is not None else None)
 
     def generate(self, prompts: list[PromptInput | str | list[int]],
@@ -468,4 +519,5 @@ class LLMEngine:
                     r.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     r.finish_reason, r.metrics = out.finish_reason, out.metrics
+                    r.stop_reason, r.num_cached_tokens = out.stop_reason, out.num_cached_tokens
         return [results[r] for r in ids]

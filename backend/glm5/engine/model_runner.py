@@ -15,6 +15,7 @@ from collections import OrderedDict
 import torch
 
 from glm5.cache.hybrid_cache import CacheConfig, HybridCache
+from glm5.cache.prefix_keys import MediaSpan
 from glm5.config import ModelConfig
 from glm5.engine.cuda_graph import DecodeAttentionPlanner, DecodeGraphRunner, DecodeRows, DecodeStager, graph_buckets
 from glm5.engine.prompt_logprobs import prompt_rows
@@ -33,6 +34,43 @@ def media_hash(pixels: torch.Tensor, grid: torch.Tensor) -> str:
     h.update(grid.to(torch.int64).cpu().numpy().tobytes())
     h.update(pixels.detach().to(torch.float32).cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def media_items(mm: MultiModalData) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(pixels, grid as the tower takes it)`` per image, then per video, in placeholder order."""
+    items = []
+    for pix, grid in ((mm.pixel_values, mm.image_grid_thw), (mm.pixel_values_videos, mm.video_grid_thw)):
+        if pix is None or grid is None:
+            continue
+        offset = 0
+        for row in grid:
+            n = int(row.prod())
+            items.append((pix[offset:offset + n], row.view(1, 3) if row[0] == 1 else flatten_video_grid(row.view(1, 3))))
+            offset += n
+    return items
+
+
+def describe_media(mm: MultiModalData, merge: int) -> None:
+    """Set ``mm.item_hashes`` (content hash per item, for the encoder cache and the prefix cache's
+    keys) and ``mm.spans`` (each item's placeholder positions); ``merge`` = spatial merge² (patches
+    per placeholder). Raises ValueError when the prompt's placeholders do not match the grids."""
+    items = media_items(mm)
+    mm.item_hashes = [media_hash(p, g) for p, g in items]
+    spans: list[tuple[int, int]] = []
+    for positions, grid in ((mm.image_positions, mm.image_grid_thw), (mm.video_positions, mm.video_grid_thw)):
+        if grid is None:
+            continue
+        sizes = [int(row.prod()) // merge for row in grid]
+        have = 0 if positions is None else int(positions.numel())
+        if sum(sizes) != have:
+            raise ValueError(f"{have} placeholder tokens but the media grids need {sum(sizes)}; the prompt's "
+                             "<|image|> count must match the media grids")
+        offset = 0
+        for n in sizes:
+            pos = positions[offset:offset + n]
+            spans.append((int(pos.min()), int(pos.max()) + 1))
+            offset += n
+    mm.spans = [MediaSpan(start=a, end=b, content_hash=h) for (a, b), h in zip(spans, mm.item_hashes)]
 
 
 class EncoderCache:
@@ -98,12 +136,12 @@ class ModelRunner:
                     cache_cfg.block_size, cache_cfg.num_state_slots, self.cache.nbytes() / 2**20)
 
     # ------------------------------------------------------------------ vision
-    def _encode_items(self, items: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-        """items: (pixels, grid [1, 3] flattened per attention span) → embeddings per item, one tower call."""
+    def _encode_items(self, items: list[tuple[torch.Tensor, torch.Tensor]], keys: list[str]) -> list[torch.Tensor]:
+        """items: (pixels, grid [1, 3] flattened per attention span) and their content hashes →
+        embeddings per item, one tower call."""
         if self.model.vision is None:
             raise ValueError("this checkpoint has no vision tower (no vision_config / visual.* weights); "
                              "send text only")
-        keys = [media_hash(p, g) for p, g in items]
         out: list[torch.Tensor | None] = [None] * len(items)
         # The same image twice in one step (two requests, or one prompt repeating it) is encoded
         # once: later copies wait for the first and count as cache hits.
@@ -134,24 +172,18 @@ class ModelRunner:
         """Fill ``seq.mm.embeds`` for every sequence in ``seqs`` that lacks them (one batched tower call)."""
         pending: list[tuple[MultiModalData, list[int]]] = []
         items: list[tuple[torch.Tensor, torch.Tensor]] = []
+        keys: list[str] = []
         for seq in seqs:
             mm = seq.mm
             if mm is None or mm.embeds is not None:
                 continue
-            idx = []
-            for pix, grid in ((mm.pixel_values, mm.image_grid_thw), (mm.pixel_values_videos, mm.video_grid_thw)):
-                if pix is None or grid is None:
-                    continue
-                offset = 0
-                for row in grid:
-                    n = int(row.prod())
-                    idx.append(len(items))
-                    items.append((pix[offset:offset + n], row.view(1, 3) if row[0] == 1 else flatten_video_grid(row.view(1, 3))))
-                    offset += n
-            pending.append((mm, idx))
+            mine = media_items(mm)
+            pending.append((mm, list(range(len(items), len(items) + len(mine)))))
+            keys.extend(mm.item_hashes if mm.item_hashes is not None else [media_hash(p, g) for p, g in mine])
+            items.extend(mine)
         if not items:
             return
-        embs = self._encode_items(items)
+        embs = self._encode_items(items, keys)
         for mm, idx in pending:
             parts_img = [embs[i] for i in idx[: 0 if mm.image_grid_thw is None else len(mm.image_grid_thw)]]
             parts_vid = [embs[i] for i in idx[len(parts_img):]]

@@ -35,6 +35,7 @@ class RequestOutput:
     stop_reason: str | int | None = None
     # every prompt token's logprob record (None for token 0), on the request's first output only
     prompt_logprobs: list[dict | None] | None = None
+    num_cached_tokens: int = 0     # prompt tokens reused from the prefix cache (vLLM's name)
 
 
 @dataclass
@@ -50,6 +51,10 @@ class EngineStats:
     generation_tokens_total: int
     encoder_cache_hits: int = 0
     vision_calls: int = 0
+    # prefix caching, in tokens (vLLM's prefix_cache_queries / prefix_cache_hits): looked up at admissions,
+    # and of those found in the cache
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     # speculative decoding (None when off): SpecStats.to_dict()
     speculative: dict | None = None
 
@@ -66,3 +71,5 @@ class CompletionOutput:
     logprobs: list[dict] | None = None
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict | None] | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0

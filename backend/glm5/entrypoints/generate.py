@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=("auto", "fp8", "none"), default="auto",
                    help="fp8 weights: auto keeps an fp8 checkpoint's weights in fp8 on CUDA, fp8 also quantizes the "
                         "other projections at load, none dequantizes (docs/fp8.md)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse cached prompt prefixes between the prompts of this run (default: on)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
@@ -105,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
                                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   block_size=args.block_size, num_cache_blocks=args.num_cache_blocks,
                                   num_speculative_tokens=args.num_speculative_tokens,
-                                  quantization=args.quantization))
+                                  quantization=args.quantization,
+                                  enable_prefix_caching=args.enable_prefix_caching))
     prompts, params = _prompts(args), _params(args)
     t0 = time.time()
     results: dict[str, dict] = {}
@@ -128,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
             if out.finished:
                 m = out.metrics
                 r.update(finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
-                         num_output_tokens=out.num_output_tokens,
+                         num_output_tokens=out.num_output_tokens, num_cached_tokens=out.num_cached_tokens,
                          ttft_s=None if m is None or m.ttft is None else round(m.ttft, 6))
     elapsed = time.time() - t0
     if args.stream and len(prompts) == 1:
