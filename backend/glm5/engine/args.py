@@ -29,6 +29,9 @@ class EngineArgs:
     decode_path: str = "auto"           # auto (batched on CUDA) | batched | per_request (the reference loops)
     enforce_eager: bool = False         # True: no decode CUDA graphs (vLLM's flag name)
     cuda_graph_max_batch: int | None = None  # largest captured decode batch (default max_num_seqs)
+    encoder_cache_mb: float | None = None  # vision embedding cache, inside cache_memory_gb (default: 5% of it)
+    preprocess_workers: int = 2         # threads that tokenize / render chat / decode media (AsyncLLMEngine)
+    test_faults: dict | None = None     # tests only: make steps fail on purpose (glm5.engine.faults)
 
     def __post_init__(self) -> None:
         checks = [("max_model_len", self.max_model_len, 1), ("max_num_seqs", self.max_num_seqs, 1),
@@ -48,6 +51,10 @@ class EngineArgs:
             raise ValueError(f"decode_path={self.decode_path!r}: use auto, batched or per_request")
         if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch < 1:
             raise ValueError(f"cuda_graph_max_batch={self.cuda_graph_max_batch}: must be >= 1 (or unset)")
+        if self.encoder_cache_mb is not None and not (self.encoder_cache_mb >= 0 and math.isfinite(self.encoder_cache_mb)):
+            raise ValueError(f"encoder_cache_mb={self.encoder_cache_mb}: must be a number >= 0 (or unset)")
+        if not isinstance(self.preprocess_workers, int) or self.preprocess_workers < 1:
+            raise ValueError(f"preprocess_workers={self.preprocess_workers!r}: must be an integer >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r}: use auto, float32, bfloat16 or float16")
 

@@ -33,6 +33,7 @@ class RequestOutput:
     prompt_text: str | None = None
     metrics: RequestMetrics | None = None
     stop_reason: str | int | None = None
+    error: str | None = None       # set with finish_reason "error": why the engine failed this request
 
 
 @dataclass
@@ -46,6 +47,7 @@ class EngineStats:
     free_state_slots: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    failed_total: int = 0       # requests failed by an engine step (finish_reason "error")
     encoder_cache_hits: int = 0
     vision_calls: int = 0
     # speculative decoding (None when off): SpecStats.to_dict()
@@ -63,3 +65,4 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[dict] | None = None
     metrics: RequestMetrics | None = None
+    error: str | None = None

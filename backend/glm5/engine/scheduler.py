@@ -80,6 +80,17 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
+    def evict(self, seq: Sequence) -> None:
+        """Free a request's cache and take it off both queues, keeping its tokens (the engine re-queues it
+        after a failed step: its states are recomputed from its tokens, as after a preemption)."""
+        self._release(seq)
+        seq.draft_tokens, seq.draft_probs = [], None
+        seq.status = SeqStatus.WAITING
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
     def _release(self, seq: Sequence) -> None:
         if seq.block_table:
             self.blocks.free(seq.block_table)

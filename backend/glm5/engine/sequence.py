@@ -45,6 +45,7 @@ class MultiModalData:
     embeds: torch.Tensor | None = None              # filled by the runner: [M, H], rows in ``positions`` order
     positions: torch.Tensor | None = None           # all placeholder positions, sorted
     content_hash: str | None = None
+    item_keys: list[str] | None = None              # encoder-cache key per image/video item (images first)
 
 
 @dataclass
