@@ -496,21 +496,29 @@ class TritonPythonModel:
         """Run one request from parsing to its final response; never raises."""
         try:
             await self._generate(state)
-        except self._rq.DuplicateRequestIdError as exc:
-            self._queue_error(state, str(exc), pb_utils.TritonError.ALREADY_EXISTS)
-        except self._dead_types as exc:
-            self._queue_error(state, str(exc), pb_utils.TritonError.UNAVAILABLE)
-        except self._failed_types as exc:
-            self._queue_error(state, str(exc), pb_utils.TritonError.INTERNAL)
-        except self._bad_request_types as exc:
-            self._queue_error(state, str(exc), pb_utils.TritonError.INVALID_ARG)
         except Exception as exc:  # noqa: BLE001 (the model keeps serving; the client gets the reason)
-            logger.exception("request %s failed", state.client_id or state.engine_id)
-            self._queue_error(state, f"internal error: {type(exc).__name__}: {exc}",
-                              pb_utils.TritonError.INTERNAL)
+            self._answer_error(state, exc)
+            # An exception raised on an executor thread is also held by that hop's futures, which can
+            # outlive this handler until a garbage collection; its traceback's frames hold the
+            # request's inputs (a rejected 10 MB prompt): drop them now, not at the next collection.
+            exc.__traceback__ = None
         finally:
             if state.engine_id:
                 self._forget(state)
+
+    def _answer_error(self, state: _RequestState, exc: Exception) -> None:
+        TE = pb_utils.TritonError
+        if isinstance(exc, self._rq.DuplicateRequestIdError):
+            self._queue_error(state, str(exc), TE.ALREADY_EXISTS)
+        elif isinstance(exc, self._dead_types):
+            self._queue_error(state, str(exc), TE.UNAVAILABLE)
+        elif isinstance(exc, self._failed_types):
+            self._queue_error(state, str(exc), TE.INTERNAL)
+        elif isinstance(exc, self._bad_request_types):
+            self._queue_error(state, str(exc), TE.INVALID_ARG)
+        else:
+            logger.exception("request %s failed", state.client_id or state.engine_id, exc_info=exc)
+            self._queue_error(state, f"internal error: {type(exc).__name__}: {exc}", TE.INTERNAL)
 
     def _parse(self, request: Any) -> tuple[Any, Any, Any, str | None]:
         """Tensors → (PromptInput, SamplingParams, OutputFlags, stop_key); raises on bad input."""

@@ -130,3 +130,23 @@ def wait_idle(srv, timeout_s: float = 30.0) -> dict[str, float]:
         if all(v == 0 for v in vals.values()) or time.monotonic() > deadline:
             return vals
         time.sleep(0.1)
+
+
+def stub_rss_mib(srv, model: str = "glm5") -> float:
+    """Resident memory (MiB) of the stub process serving ``model`` under ``srv``'s tritonserver."""
+    import os
+
+    needle = f"/{model}/1/model.py".encode()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{pid}/status") as f:
+                status = f.read()
+        except OSError:
+            continue
+        if needle in cmd and f"PPid:\t{srv.proc.pid}\n" in status:
+            return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
+    raise AssertionError(f"no stub process for {model} under pid {srv.proc.pid}")

@@ -140,8 +140,8 @@ def plan_cache_memory(text: TextConfig, *, dtype: torch.dtype, block_size: int, 
     slot_bytes = sum(g.bytes_per_unit for g in probe if g.unit == "slot")
     needed_blocks = -(-max_model_len // block_size)
     fixed_desc = (f"{max_num_seqs + 1} state slots (max_num_seqs + 1 scratch) x {slot_bytes / MIB:.2f} MiB = "
-                  f"{(max_num_seqs + 1) * slot_bytes / MIB:.1f} MiB, vision encoder cache "
-                  f"{encoder_cache_bytes / MIB:.1f} MiB, one scratch block {per_block / MIB:.3f} MiB")
+                  f"{(max_num_seqs + 1) * slot_bytes / MIB:.1f} MiB, the vision encoder cache "
+                  f"({encoder_cache_bytes / MIB:.1f} MiB) and one scratch block ({per_block / MIB:.3f} MiB)")
     budget_desc = f"cache_memory_gb={budget_bytes / GIB:.3f} ({budget_bytes / MIB:.1f} MiB)"
     if num_blocks is None:
         left = budget_bytes - fixed

@@ -146,7 +146,13 @@ class AsyncLLMEngine:
         except RuntimeError:  # the pool is shut down
             self._check_alive()
             raise
-        prepared, params = fut.result()
+        try:
+            prepared, params = fut.result()
+        finally:
+            # a rejected prompt's exception holds this frame (and so the prompt) in its traceback, and the
+            # future holds the exception: drop the future so that no cycle keeps a 10 MB prompt alive
+            # until the next garbage collection
+            del fut
         self._check_alive()
         done = threading.Event()
         box: dict = {}
