@@ -159,9 +159,11 @@ def test_media_placeholders_without_media_are_rejected(eng: LLMEngine) -> None:
     with pytest.raises(MediaError, match="no image or video was sent"):
         eng.add_request("c", PromptInput(messages=[{"role": "user", "content": [
             {"type": "image"}, {"type": "text", "text": "what is this?"}]}]), GREEDY)
-    with pytest.raises(MediaError, match="no image or video was sent"):
-        eng.add_request("i", PromptInput(token_ids=[5, c.image_token_id, 7]), GREEDY)
+    with pytest.raises(MediaError, match="placeholder"):  # the Triton input_ids tensor: placeholders mean media
+        eng.add_request("i", PromptInput(mm_inputs={"input_ids": np.array([5, c.image_token_id, 7])}), GREEDY)
     assert not eng.has_unfinished()
+    # raw token ids keep transformers' meaning (a placeholder id without pixels is an ordinary token)
+    assert eng.generate([PromptInput(token_ids=[5, c.image_token_id, 7])], GREEDY)[0].finish_reason == "length"
 
 
 def test_oversized_text_is_rejected_by_size_without_tokenizing(eng: LLMEngine, monkeypatch) -> None:

@@ -148,6 +148,9 @@ class AsyncLLMEngine:
             raise
         try:
             prepared, params = fut.result()
+        except concurrent.futures.CancelledError:  # the pool was shut down (engine death or shutdown)
+            self._check_alive()
+            raise RuntimeError("the engine was shut down before this request was prepared") from None
         finally:
             # a rejected prompt's exception holds this frame (and so the prompt) in its traceback, and the
             # future holds the exception: drop the future so that no cycle keeps a 10 MB prompt alive
