@@ -51,7 +51,8 @@ class EngineArgs:
             raise ValueError(f"decode_path={self.decode_path!r}: use auto, batched or per_request")
         if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch < 1:
             raise ValueError(f"cuda_graph_max_batch={self.cuda_graph_max_batch}: must be >= 1 (or unset)")
-        if self.encoder_cache_mb is not None and not (self.encoder_cache_mb >= 0 and math.isfinite(self.encoder_cache_mb)):
+        mb = self.encoder_cache_mb
+        if mb is not None and not (mb >= 0 and math.isfinite(mb)):
             raise ValueError(f"encoder_cache_mb={self.encoder_cache_mb}: must be a number >= 0 (or unset)")
         if not isinstance(self.preprocess_workers, int) or self.preprocess_workers < 1:
             raise ValueError(f"preprocess_workers={self.preprocess_workers!r}: must be an integer >= 1")

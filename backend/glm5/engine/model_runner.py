@@ -153,7 +153,8 @@ class ModelRunner:
                 for row in grid:
                     n = int(row.prod())
                     idx.append(len(items))
-                    items.append((pix[offset:offset + n], row.view(1, 3) if row[0] == 1 else flatten_video_grid(row.view(1, 3))))
+                    span = row.view(1, 3) if row[0] == 1 else flatten_video_grid(row.view(1, 3))
+                    items.append((pix[offset:offset + n], span))
                     # keys are precomputed off the engine thread (PromptProcessor); hash here only without them
                     keys.append(mm.item_keys[k] if mm.item_keys else media_hash(pix[offset:offset + n], row.view(1, 3)))
                     offset += n

@@ -149,9 +149,9 @@ class PromptProcessor:
         n = len(text) if len(text) > bound else len(text.encode("utf-8"))
         if n > bound:
             raise PromptTooLongError(
-                f"{what} is {n:,} bytes (at least); a prompt that fits max_model_len={self.max_model_len} tokens has at "
-                f"most {bound:,} bytes with this tokenizer (longest token {self.max_token_bytes} bytes); shorten "
-                "the prompt or raise max_model_len")
+                f"{what} is {n:,} bytes (at least); a prompt that fits max_model_len={self.max_model_len} tokens "
+                f"has at most {bound:,} bytes with this tokenizer (longest token {self.max_token_bytes} bytes); "
+                "shorten the prompt or raise max_model_len")
 
     def _check_ids(self, ids: list[int]) -> list[int]:
         if not ids:
