@@ -310,3 +310,40 @@ def test_prompts_are_prepared_on_the_worker_pool_not_the_engine_loop(tiny_checkp
     # the fast stream's longest gap stays far below the 2 s the slow prompt took to prepare
     assert gaps.max() < 1.0, f"max inter-token gap {gaps.max():.3f}s while another prompt was being prepared"
     eng.shutdown()
+
+
+# ---------------------------------------------------------------------- on the GPU
+_DEVICE_ASSERT = """
+import sys, torch
+from glm5.engine.errors import is_unrecoverable
+x = torch.zeros(4, device="cuda")
+try:
+    x[torch.tensor([10], device="cuda")].sum().item()    # out-of-bounds gather: device-side assert
+    torch.cuda.synchronize()
+except Exception as exc:
+    print(type(exc).__name__, is_unrecoverable(exc))
+    sys.exit(0)
+print("no error")
+"""
+
+
+@pytest.mark.gpu
+def test_a_real_device_side_assert_is_classified_unrecoverable() -> None:
+    """On CUDA an out-of-bounds index poisons the context; the classification must call it fatal (run in
+    a subprocess because the context stays broken for the life of the process)."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", _DEVICE_ASSERT], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    name, verdict = proc.stdout.strip().splitlines()[-1].split()
+    assert verdict == "True", proc.stdout
+
+
+@pytest.mark.gpu
+def test_cache_budget_above_free_device_memory_is_refused(tiny_checkpoint_dir: Path) -> None:
+    from glm5.cache.memory import CacheBudgetError
+
+    free = torch.cuda.mem_get_info()[0]
+    with pytest.raises(CacheBudgetError, match="exceeds the free device memory"):
+        engine(tiny_checkpoint_dir, device="cuda", dtype="bfloat16", num_cache_blocks=None,
+               cache_memory_gb=2 * free / 2**30, enforce_eager=True)
