@@ -1,5 +1,5 @@
 """Serving never breaks: hostile and broken requests through a real tritonserver (2.51, CPU, tiny
-checkpoint, all three models). Each test pins one finding of the hardening review:
+checkpoint, all three models). Each test pins one way serving used to break (issue 14):
 
 1. a request that fails validation or fails inside a step is answered with an error and only it is
    affected (out-of-vocabulary ``input_ids`` used to kill the engine loop while Triton said ready);
