@@ -40,6 +40,9 @@ class EngineArgs:
     prefix_cache_checkpoint_interval: int = 0     # also snapshot every N blocks of a prefill (0: off)
     # where state snapshots are taken (comma-separated subset of SNAPSHOT_POINTS)
     prefix_cache_snapshot_points: str = "request_end,preempted,prompt_end,junction"
+    encoder_cache_mb: float | None = None  # vision embedding cache, inside cache_memory_gb (default: 5% of it)
+    preprocess_workers: int = 2         # threads that tokenize / render chat / decode media (AsyncLLMEngine)
+    test_faults: dict | None = None     # tests only: make steps fail on purpose (glm5.engine.faults)
 
     def __post_init__(self) -> None:
         checks = [("max_model_len", self.max_model_len, 1), ("max_num_seqs", self.max_num_seqs, 1),
@@ -74,6 +77,11 @@ class EngineArgs:
                              f"use a comma-separated subset of {', '.join(SNAPSHOT_POINTS)}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r}: must be true or false")
+        mb = self.encoder_cache_mb
+        if mb is not None and not (mb >= 0 and math.isfinite(mb)):
+            raise ValueError(f"encoder_cache_mb={self.encoder_cache_mb}: must be a number >= 0 (or unset)")
+        if not isinstance(self.preprocess_workers, int) or self.preprocess_workers < 1:
+            raise ValueError(f"preprocess_workers={self.preprocess_workers!r}: must be an integer >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r}: use auto, float32, bfloat16 or float16")
 

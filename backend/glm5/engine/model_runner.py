@@ -8,16 +8,15 @@ encoder cache keyed by content hash so a repeated image is encoded once), and ru
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections import OrderedDict
 
 import torch
 
 from glm5.cache.hybrid_cache import CacheConfig, HybridCache
-from glm5.cache.prefix_keys import MediaSpan
 from glm5.config import ModelConfig
 from glm5.engine.cuda_graph import DecodeAttentionPlanner, DecodeGraphRunner, DecodeRows, DecodeStager, graph_buckets
+from glm5.engine.media_items import media_hash, media_items
 from glm5.engine.prompt_logprobs import prompt_rows
 from glm5.engine.scheduler import SchedulerOutput
 from glm5.engine.sequence import MultiModalData, Sequence
@@ -29,58 +28,20 @@ from glm5.layers.vision import flatten_video_grid
 logger = logging.getLogger(__name__)
 
 
-def media_hash(pixels: torch.Tensor, grid: torch.Tensor) -> str:
-    h = hashlib.sha256()
-    h.update(grid.to(torch.int64).cpu().numpy().tobytes())
-    h.update(pixels.detach().to(torch.float32).cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
-def media_items(mm: MultiModalData) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(pixels, grid as the tower takes it)`` per image, then per video, in placeholder order."""
-    items = []
-    for pix, grid in ((mm.pixel_values, mm.image_grid_thw), (mm.pixel_values_videos, mm.video_grid_thw)):
-        if pix is None or grid is None:
-            continue
-        offset = 0
-        for row in grid:
-            n = int(row.prod())
-            items.append((pix[offset:offset + n], row.view(1, 3) if row[0] == 1 else flatten_video_grid(row.view(1, 3))))
-            offset += n
-    return items
-
-
-def describe_media(mm: MultiModalData, merge: int) -> None:
-    """Set ``mm.item_hashes`` (content hash per item, for the encoder cache and the prefix cache's
-    keys) and ``mm.spans`` (each item's placeholder positions); ``merge`` = spatial merge² (patches
-    per placeholder). Raises ValueError when the prompt's placeholders do not match the grids."""
-    items = media_items(mm)
-    mm.item_hashes = [media_hash(p, g) for p, g in items]
-    spans: list[tuple[int, int]] = []
-    for positions, grid in ((mm.image_positions, mm.image_grid_thw), (mm.video_positions, mm.video_grid_thw)):
-        if grid is None:
-            continue
-        sizes = [int(row.prod()) // merge for row in grid]
-        have = 0 if positions is None else int(positions.numel())
-        if sum(sizes) != have:
-            raise ValueError(f"{have} placeholder tokens but the media grids need {sum(sizes)}; the prompt's "
-                             "<|image|> count must match the media grids")
-        offset = 0
-        for n in sizes:
-            pos = positions[offset:offset + n]
-            spans.append((int(pos.min()), int(pos.max()) + 1))
-            offset += n
-    mm.spans = [MediaSpan(start=a, end=b, content_hash=h) for (a, b), h in zip(spans, mm.item_hashes)]
-
-
 class EncoderCache:
-    """LRU of vision embeddings keyed by content hash."""
+    """LRU of vision embeddings keyed by content hash, bounded in bytes (``max_bytes``).
 
-    def __init__(self, max_entries: int = 64):
-        self.max_entries = max_entries
+    An embedding larger than the whole budget is not kept (the request still uses it)."""
+
+    def __init__(self, max_bytes: int = 64 * 2**20):
+        self.max_bytes = max_bytes
+        self.nbytes = 0
         self._d: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.hits = 0
         self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._d)
 
     def get(self, key: str) -> torch.Tensor | None:
         v = self._d.get(key)
@@ -90,10 +51,17 @@ class EncoderCache:
         return v
 
     def put(self, key: str, value: torch.Tensor) -> None:
+        size = value.numel() * value.element_size()
+        if size > self.max_bytes:
+            return
+        old = self._d.pop(key, None)
+        if old is not None:
+            self.nbytes -= old.numel() * old.element_size()
         self._d[key] = value
-        self._d.move_to_end(key)
-        while len(self._d) > self.max_entries:
-            self._d.popitem(last=False)
+        self.nbytes += size
+        while self.nbytes > self.max_bytes:
+            _, dropped = self._d.popitem(last=False)
+            self.nbytes -= dropped.numel() * dropped.element_size()
 
 
 DECODE_PATHS = ("auto", "batched", "per_request")
@@ -107,7 +75,7 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], cache_cfg: CacheConfig,
                  device: torch.device, dtype: torch.dtype, use_mtp: bool = False, index_fp8: bool = False,
-                 max_model_len: int | None = None, decode_path: str = "auto"):
+                 max_model_len: int | None = None, decode_path: str = "auto", encoder_cache_bytes: int = 64 * 2**20):
         if decode_path not in DECODE_PATHS:
             raise ValueError(f"decode_path={decode_path!r}: choose one of {', '.join(DECODE_PATHS)}")
         self.cfg, self.device, self.dtype = cfg, device, dtype
@@ -122,7 +90,7 @@ class ModelRunner:
             self.mtp = MTPLayer(cfg, weights, layer, self.model.embed, self.model.lm_head)
             mla_layers.append(layer)
         self.cache = HybridCache(cfg.text, cache_cfg, device, dtype, mla_layers=mla_layers, index_fp8=index_fp8)
-        self.encoder_cache = EncoderCache()
+        self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.vision_calls = 0
         self.batched_decode = decode_path == "batched" or (decode_path == "auto" and device.type == "cuda")
         self.stager: DecodeStager | None = None

@@ -91,6 +91,18 @@ class Scheduler:
         """Release a request finished with ``release=False`` (snapshotting its end state unless told not to)."""
         self.kv.release(seq, snapshot="request_end" if snapshot else None)
 
+    def evict(self, seq: Sequence) -> None:
+        """Free a request's cache and take it off both queues, keeping its tokens (the engine re-queues it
+        after a failed step: its states are recomputed from its tokens, as after a preemption). No
+        snapshot: the failed step may have half-written its states."""
+        self.kv.release(seq, snapshot=None)
+        seq.draft_tokens, seq.draft_probs = [], None
+        seq.status = SeqStatus.WAITING
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
     def ensure_blocks(self, seq: Sequence, num_positions: int) -> bool:
         """Make ``seq``'s block table cover ``num_positions`` positions if blocks are free (MTP drafts)."""
         if self.kv.blocks_needed(seq, num_positions) > self.blocks.num_free:
