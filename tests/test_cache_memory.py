@@ -79,11 +79,34 @@ def test_engine_sizes_its_cache_from_the_plan_and_refuses_what_does_not_fit(tiny
     eng = engine(tiny_checkpoint_dir, num_cache_blocks=None, cache_memory_gb=0.02, max_model_len=128)
     plan = eng.memory_plan
     assert eng.blocks.num_blocks == plan.num_blocks and plan.total_bytes <= 0.02 * 2**30
-    # everything the runner allocated is in the plan: the hybrid cache and the encoder cache bound
-    assert eng.runner.cache.nbytes() + eng.runner.encoder_cache.max_bytes == plan.total_bytes
+    # everything the engine allocated is in the plan: the hybrid cache, the encoder cache bound and the
+    # prefix cache's state snapshots (on by default)
+    assert eng.kv.snapshots is not None and eng.kv.snapshots.capacity == plan.units_of("prefix_cache_snapshots") > 0
+    assert (eng.runner.cache.nbytes() + eng.runner.encoder_cache.max_bytes + eng.kv.snapshots.nbytes()
+            == plan.total_bytes)
     assert eng.runner.encoder_cache.max_bytes == plan.bytes_of("vision_encoder_cache") > 0
     with pytest.raises(CacheBudgetError, match="max_num_seqs"):
         engine(tiny_checkpoint_dir, num_cache_blocks=None, cache_memory_gb=0.0001, max_model_len=128)
+
+
+def test_prefix_cache_snapshots_are_counted_in_the_budget(tiny_checkpoint_dir: Path) -> None:
+    """The snapshot pool is sized from its own budget inside cache_memory_gb: one snapshot is one slot's
+    states plus one block's rows, as the pool allocates it, and a budget that holds none is refused."""
+    from glm5.cache.snapshot_pool import StateSnapshotPool
+
+    eng = engine(tiny_checkpoint_dir, num_cache_blocks=None, cache_memory_gb=0.02, max_model_len=128,
+                 prefix_cache_snapshot_memory_gb=0.004)
+    plan = eng.memory_plan
+    per = StateSnapshotPool.bytes_per_snapshot(eng.runner.cache)
+    assert plan.units_of("prefix_cache_snapshots") == int(0.004 * 2**30 // per)
+    assert plan.bytes_of("prefix_cache_snapshots") == eng.kv.snapshots.nbytes()
+    off = engine(tiny_checkpoint_dir, num_cache_blocks=None, cache_memory_gb=0.02, max_model_len=128,
+                 enable_prefix_caching=False)
+    assert off.memory_plan.bytes_of("prefix_cache_snapshots") == 0
+    assert off.memory_plan.num_blocks > plan.num_blocks      # the snapshots' bytes came out of the blocks
+    with pytest.raises(CacheBudgetError, match="holds no state snapshot"):
+        engine(tiny_checkpoint_dir, num_cache_blocks=None, cache_memory_gb=0.02, max_model_len=128,
+               prefix_cache_snapshot_memory_gb=1e-9)
 
 
 def test_encoder_cache_is_bounded_in_bytes() -> None:

@@ -9,14 +9,17 @@ weights. The plan splits it into groups that grow with different units:
 * per state slot (one running request): the kpool tail of every MLA layer and the KDA short-conv
   and recurrent states of every KDA layer (fp32 recurrent state: 64 heads x 128 x 128 x 4 bytes x
   34 layers = 136 MiB per slot at the real shape, which dominates small-block budgets);
-* fixed: the vision embedding cache (an LRU bounded in bytes).
+* fixed: the vision embedding cache (an LRU bounded in bytes);
+* per state snapshot (prefix caching): a copy of one slot's states plus one block's rows, so that a
+  later request can resume at any position (:mod:`glm5.cache.snapshot_pool`); the pool is sized from
+  its own byte budget, which is part of ``cache_memory_gb``.
 
 One block and one state slot beyond the configured counts are always allocated (the scratch rows
 that padded CUDA-graph decode rows point at; :mod:`glm5.cache.hybrid_cache`), so they are counted.
 Fixed and per-slot memory is taken first; what remains is cut into blocks unless the block count
 is given. A configuration that does not fit (the fixed part alone, or not even one
 ``max_model_len`` request's worth of blocks) is refused before anything is allocated, with the
-numbers. New caches (e.g. the KDA state snapshots of prefix caching) join as another group.
+numbers.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 MIB = 2**20
 GIB = 2**30
+#: Share of the budget for the prefix cache's state snapshots when ``prefix_cache_snapshot_memory_gb`` is unset.
+SNAPSHOT_POOL_SHARE = 0.10
 
 
 class CacheBudgetError(ValueError):
@@ -44,7 +49,7 @@ class CacheGroup:
     ``bytes_per_unit`` bytes each."""
 
     name: str
-    unit: str                # "block" | "slot" | "fixed"
+    unit: str                # "block" | "slot" | "snapshot" | "fixed"
     bytes_per_unit: int
     units: int
 
@@ -69,6 +74,9 @@ class CacheMemoryPlan:
 
     def bytes_of(self, name: str) -> int:
         return sum(g.total_bytes for g in self.groups if g.name == name)
+
+    def units_of(self, name: str) -> int:
+        return sum(g.units for g in self.groups if g.name == name)
 
     def describe(self) -> str:
         """A readable table (logged at start)."""
@@ -119,15 +127,25 @@ def cache_groups(text: TextConfig, *, dtype: torch.dtype, block_size: int, mla_l
     return groups
 
 
+def snapshot_bytes(groups: list[CacheGroup]) -> int:
+    """Bytes of one prefix-cache state snapshot: one slot's states and one block's rows
+    (:meth:`glm5.cache.snapshot_pool.StateSnapshotPool.bytes_per_snapshot` of the same cache)."""
+    return sum(g.bytes_per_unit for g in groups if g.unit in ("slot", "block"))
+
+
 def plan_cache_memory(text: TextConfig, *, dtype: torch.dtype, block_size: int, max_num_seqs: int,
                       max_model_len: int, budget_bytes: int, mla_layers: list[int], index_fp8: bool = False,
                       encoder_cache_bytes: int = 0, num_blocks: int | None = None,
-                      device_free_bytes: int | None = None) -> CacheMemoryPlan:
+                      device_free_bytes: int | None = None, prefix_caching: bool = False,
+                      snapshot_budget_bytes: int | None = None) -> CacheMemoryPlan:
     """Size the cache within ``budget_bytes`` or raise :class:`CacheBudgetError` naming the numbers.
 
     ``num_blocks`` None: as many blocks as the budget leaves after the per-slot and fixed groups,
     which must be at least one ``max_model_len`` request's worth. Given: the whole plan must fit.
     ``device_free_bytes`` (CUDA: free memory after the weights) also bounds the budget.
+    ``prefix_caching``: state snapshots, taken from the budget like the fixed groups:
+    ``snapshot_budget_bytes`` of them when given (it must hold at least one), else
+    :data:`SNAPSHOT_POOL_SHARE` of the budget and at least one.
     """
     if device_free_bytes is not None and budget_bytes > device_free_bytes:
         raise CacheBudgetError(
@@ -135,13 +153,28 @@ def plan_cache_memory(text: TextConfig, *, dtype: torch.dtype, block_size: int, 
             f"weights ({device_free_bytes / GIB:.3f} GiB); lower cache_memory_gb")
     probe = cache_groups(text, dtype=dtype, block_size=block_size, mla_layers=mla_layers, index_fp8=index_fp8,
                          num_blocks=0, num_state_slots=max_num_seqs, encoder_cache_bytes=encoder_cache_bytes)
+    snapshots: list[CacheGroup] = []
+    if prefix_caching:
+        per_snapshot = snapshot_bytes(probe)
+        if snapshot_budget_bytes is None:
+            snapshot_budget_bytes = max(int(budget_bytes * SNAPSHOT_POOL_SHARE), per_snapshot)
+        n_snap = snapshot_budget_bytes // per_snapshot
+        if n_snap < 1:
+            raise CacheBudgetError(
+                f"prefix_cache_snapshot_memory_gb={snapshot_budget_bytes / GIB:.3g} holds no state snapshot "
+                f"({per_snapshot / MIB:.1f} MiB each on this model); raise it to at least {per_snapshot / GIB:.3f} "
+                "or set enable_prefix_caching=false")
+        snapshots = [CacheGroup("prefix_cache_snapshots", "snapshot", per_snapshot, int(n_snap))]
+        probe += snapshots
     per_block = sum(g.bytes_per_unit for g in probe if g.unit == "block")
     fixed = sum(g.total_bytes for g in probe if g.unit != "block") + per_block  # + the scratch block
     slot_bytes = sum(g.bytes_per_unit for g in probe if g.unit == "slot")
     needed_blocks = -(-max_model_len // block_size)
     fixed_desc = (f"{max_num_seqs + 1} state slots (max_num_seqs + 1 scratch) x {slot_bytes / MIB:.2f} MiB = "
                   f"{(max_num_seqs + 1) * slot_bytes / MIB:.1f} MiB, the vision encoder cache "
-                  f"({encoder_cache_bytes / MIB:.1f} MiB) and one scratch block ({per_block / MIB:.3f} MiB)")
+                  f"({encoder_cache_bytes / MIB:.1f} MiB), "
+                  + (f"{snapshots[0].units} prefix-cache state snapshots ({snapshots[0].total_bytes / MIB:.1f} MiB) "
+                     if snapshots else "") + f"and one scratch block ({per_block / MIB:.3f} MiB)")
     budget_desc = f"cache_memory_gb={budget_bytes / GIB:.3f} ({budget_bytes / MIB:.1f} MiB)"
     if num_blocks is None:
         left = budget_bytes - fixed
@@ -161,6 +194,6 @@ def plan_cache_memory(text: TextConfig, *, dtype: torch.dtype, block_size: int, 
                 f"cache_memory_gb to at least {total / GIB:.3f}, or lower num_cache_blocks / max_num_seqs")
     groups = cache_groups(text, dtype=dtype, block_size=block_size, mla_layers=mla_layers, index_fp8=index_fp8,
                           num_blocks=num_blocks, num_state_slots=max_num_seqs,
-                          encoder_cache_bytes=encoder_cache_bytes)
+                          encoder_cache_bytes=encoder_cache_bytes) + snapshots
     return CacheMemoryPlan(budget_bytes=budget_bytes, block_size=block_size, num_blocks=int(num_blocks),
                            num_state_slots=max_num_seqs, groups=groups)

@@ -36,7 +36,7 @@ class EngineArgs:
     #                                     other projections at load) | none (dequantize to dtype); docs/fp8.md
     # prefix caching (docs/prefix-caching.md): reuse cached MLA blocks + KDA state snapshots across requests
     enable_prefix_caching: bool = True  # vLLM's flag name
-    prefix_cache_snapshot_memory_gb: float = 1.0  # byte budget of the state-snapshot pool
+    prefix_cache_snapshot_memory_gb: float | None = None  # state-snapshot pool, inside cache_memory_gb (default 10 %)
     prefix_cache_checkpoint_interval: int = 0     # also snapshot every N blocks of a prefill (0: off)
     # where state snapshots are taken (comma-separated subset of SNAPSHOT_POINTS)
     prefix_cache_snapshot_points: str = "request_end,preempted,prompt_end,junction"
@@ -65,7 +65,8 @@ class EngineArgs:
         if self.quantization not in ("auto", "fp8", "none"):
             raise ValueError(f"quantization={self.quantization!r}: use auto (keep the checkpoint's fp8 weights in fp8 "
                              "on CUDA), fp8 (also quantize the other projections at load) or none (dequantize)")
-        if not (self.prefix_cache_snapshot_memory_gb > 0 and math.isfinite(self.prefix_cache_snapshot_memory_gb)):
+        snap = self.prefix_cache_snapshot_memory_gb
+        if snap is not None and not (snap > 0 and math.isfinite(snap)):
             raise ValueError(f"prefix_cache_snapshot_memory_gb={self.prefix_cache_snapshot_memory_gb}: must be a "
                              "positive number (or set enable_prefix_caching=false)")
         if not isinstance(self.prefix_cache_checkpoint_interval, int) or self.prefix_cache_checkpoint_interval < 0:

@@ -150,15 +150,11 @@ class LLMEngine:
                     "batched" if self.runner.batched_decode else "per_request")
 
     def _prefix_cache_config(self, args: EngineArgs) -> PrefixCacheConfig | None:
-        """Prefix caching settings, with the snapshot pool sized from its byte budget."""
+        """Prefix caching settings; the snapshot pool's size comes from the memory plan."""
         if not args.enable_prefix_caching:
             return None
+        n = self.memory_plan.units_of("prefix_cache_snapshots")
         per = StateSnapshotPool.bytes_per_snapshot(self.runner.cache)
-        n = int(args.prefix_cache_snapshot_memory_gb * 2**30 // per)
-        if n < 1:
-            raise ValueError(f"prefix_cache_snapshot_memory_gb={args.prefix_cache_snapshot_memory_gb} holds no state "
-                             f"snapshot ({per / 2**20:.1f} MiB each on this model); raise it to at least "
-                             f"{per / 2**30:.3f} or set enable_prefix_caching=false")
         logger.info("prefix caching on: %d state snapshots x %.2f MiB (%.2f GiB), checkpoint interval %s",
                     n, per / 2**20, n * per / 2**30,
                     f"{args.prefix_cache_checkpoint_interval} blocks" if args.prefix_cache_checkpoint_interval else "off")
@@ -182,6 +178,7 @@ class LLMEngine:
         budget = int(args.cache_memory_gb * 2**30)
         encoder = (args.encoder_cache_mb * 2**20 if args.encoder_cache_mb is not None
                    else budget * ENCODER_CACHE_SHARE) if self.model_config.vision is not None else 0
+        snap = args.prefix_cache_snapshot_memory_gb
         free = None
         if self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]
@@ -189,7 +186,8 @@ class LLMEngine:
                                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                  budget_bytes=budget, mla_layers=mla_layers, index_fp8=args.index_cache == "fp8",
                                  encoder_cache_bytes=int(encoder), num_blocks=args.num_cache_blocks,
-                                 device_free_bytes=free)
+                                 device_free_bytes=free, prefix_caching=args.enable_prefix_caching,
+                                 snapshot_budget_bytes=None if snap is None else int(snap * 2**30))
 
     @property
     def mm_processor(self):
