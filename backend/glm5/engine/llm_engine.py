@@ -24,7 +24,10 @@ from glm5.engine.model_runner import ModelRunner
 from glm5.engine.outputs import CompletionOutput, EngineStats, PromptInput, RequestOutput
 from glm5.engine.scheduler import Scheduler
 from glm5.engine.sequence import MultiModalData, Sequence
-from glm5.engine.spec_decode import SpecStats, draw, greedy_verify, rejection_sample, target_distributions
+from glm5.engine.spec_batched import BatchedSpeculation, VerifyResult, neutral_params
+from glm5.engine.spec_decode import SpecStats, greedy_verify, target_distributions
+from glm5.engine.spec_sampling import SALT_DRAFT, accept_sampled, race
+from glm5.engine.spec_policy import AdaptiveK, FixedK, SpecCostModel
 from glm5.detokenizer import RequestOutputProcessor
 from glm5.sampler import Sampler, TokenLogprobs, make_generator
 from glm5.sampling_params import SamplingParams
@@ -79,13 +82,26 @@ class LLMEngine:
         if self.max_model_len < args.max_model_len:
             logger.warning("max_model_len %d exceeds the cache (%d blocks x %d tokens): capped to %d",
                            args.max_model_len, cache_cfg.num_blocks, cache_cfg.block_size, self.max_model_len)
+        k = args.num_speculative_tokens
         self.runner = ModelRunner(self.model_config, weights, cache_cfg, self.device, self.dtype,
-                                  use_mtp=args.num_speculative_tokens > 0, index_fp8=args.index_cache == "fp8",
-                                  max_model_len=self.max_model_len, decode_path=args.decode_path)
+                                  use_mtp=k > 0, index_fp8=args.index_cache == "fp8",
+                                  max_model_len=self.max_model_len, decode_path=args.decode_path,
+                                  draft_vocab=self._draft_vocab(args))
         self._log_backends()
+        self.sampler = Sampler(seed=args.seed)
+        # speculative steps of pure-decode batches on the batched path (glm5.engine.spec_batched)
+        spec_batch = min(args.speculative_max_batch, args.max_num_seqs)
+        self.spec = BatchedSpeculation(self.runner, self.sampler, k, spec_batch) \
+            if k > 0 and self.runner.batched_decode else None
         if self.device.type == "cuda" and not args.enforce_eager:
-            self.runner.capture_cuda_graphs(args.cuda_graph_max_batch or args.max_num_seqs)
-        self.spec_stats = SpecStats(args.num_speculative_tokens) if args.num_speculative_tokens else None
+            graph_max = args.cuda_graph_max_batch or args.max_num_seqs
+            self.runner.capture_cuda_graphs(graph_max)
+            if self.spec is not None and self.runner.graphs is not None:
+                self.spec.capture_cuda_graphs(graph_max, pool=self.runner.graphs.pool)
+        self.spec_stats = SpecStats(k) if k else None
+        self.k_policy = self._k_policy(args)
+        self._k_next = k
+        self._noise_seeds = torch.Generator().manual_seed(args.seed)
         self.blocks = BlockAllocator(cache_cfg.num_blocks)
         self.slots = SlotAllocator(cache_cfg.num_state_slots)
         self.scheduler = Scheduler(self.blocks, self.slots, args.block_size, args.max_num_seqs,
@@ -99,7 +115,6 @@ class LLMEngine:
         self.finished_total = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        self.sampler = Sampler(seed=args.seed)
 
     # ------------------------------------------------------------------ setup helpers
     def _log_backends(self) -> None:
@@ -110,6 +125,22 @@ class LLMEngine:
                     b.decode_attn_backend(dev, self.dtype, self.model_config.text.kv_lora_rank),
                     b.index_backend(dev, self.dtype), b.moe_backend(dev, self.dtype), b.mhc_backend(dev, self.dtype),
                     b.sampling_backend(dev), "batched" if self.runner.batched_decode else "per_request")
+
+    def _draft_vocab(self, args: EngineArgs) -> torch.Tensor | None:
+        if args.num_speculative_tokens == 0 or args.draft_vocab_size == 0:
+            return None
+        from glm5.engine.draft_vocab import load_draft_vocab
+        return load_draft_vocab(args.draft_vocab_file or Path(args.model) / "draft_vocab.json", args.draft_vocab_size,
+                                self.model_config.text.vocab_size)
+
+    def _k_policy(self, args: EngineArgs):
+        k = args.num_speculative_tokens
+        if k == 0 or args.speculative_policy == "fixed":
+            return FixedK(k)
+        vocab = args.draft_vocab_size or None
+        cost = SpecCostModel.load(args.speculative_cost_table, self.model_config, draft_vocab=vocab) \
+            if args.speculative_cost_table else SpecCostModel(self.model_config, draft_vocab=vocab)
+        return AdaptiveK(k, cost)
 
     @staticmethod
     def _load_tokenizer(path: str):
@@ -226,6 +257,10 @@ class LLMEngine:
             seq.generator = make_generator(params.seed)
         if self.spec_stats is not None:
             seq.spec_stats = SpecStats(self.args.num_speculative_tokens)
+            # counter-based sampling streams of batched speculation: the request's seed, else one drawn
+            # from the engine seed (reproducible runs), never from the batch
+            seq.noise_seed = params.seed if params.seed is not None else \
+                int(torch.randint(0, 2**62, (1,), generator=self._noise_seeds))
         proc = RequestOutputProcessor(self.tokenizer or _NoTextTokenizer(), ids, params, self.eos_token_ids)
         self._requests[request_id] = _RequestState(seq=seq, proc=proc, prompt_text=prompt_text)
         self.prompt_tokens_total += len(ids)
@@ -258,8 +293,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
+        for seq in sched.preempted:  # recomputed from the prompt: the MTP layer's cache goes with the blocks
+            seq.mtp_backlog = None
         if not sched.chunks:
             return outputs
+        if self.spec is not None and self.spec.accepts(sched):
+            return outputs + self._speculative_step(sched)
+        self._k_next = self.k_policy.choose(len(sched.chunks))
         batch, model_out, sample_idx = self.runner.execute(sched)
         valid_rows: dict[int, int] = {}
         for ci, c in enumerate(sched.chunks):
@@ -292,8 +332,27 @@ class LLMEngine:
         return outputs
 
     # ------------------------------------------------------------------ speculative decoding
-    def _generator(self, seq: Sequence) -> torch.Generator:
-        return seq.generator if seq.generator is not None else self.sampler.shared_generator(self.device)
+    def _speculative_step(self, sched) -> list[RequestOutput]:
+        """A pure-decode step on the batched path: verify, accept and commit on the device, then draft."""
+        res: VerifyResult = self.spec.verify(sched)
+        now = time.time()
+        outputs, observed, live = [], [], []
+        for i, c in enumerate(sched.chunks):
+            seq = c.seq
+            seq.num_computed_tokens += 1 + res.accepted[i]
+            if res.drafts[i]:
+                self.spec_stats.record(res.drafts[i], res.accepted[i])
+                seq.spec_stats.record(res.drafts[i], res.accepted[i])
+                observed.append((res.drafts[i], res.accepted[i]))
+            seq.draft_tokens, seq.draft_probs = [], None
+            outputs.append(self._append_tokens(seq, res.tokens[i], res.logprobs[i], now))
+            if not seq.is_finished:
+                live.append((i, seq))
+        self.k_policy.observe_step(observed)
+        self._k_next = self.k_policy.choose(len(live))
+        if live:
+            self.spec.propose([(i, s, self._num_drafts(s)) for i, s in live], res, self.scheduler.ensure_blocks)
+        return outputs
 
     def _verify(self, chunk, batch, logits: torch.Tensor) -> list[int]:
         """Accept drafts of a verification chunk; roll its states back to the last accepted row."""
@@ -303,12 +362,17 @@ class LLMEngine:
                                      drafts, seq.eos_token_ids)
         if seq.params.is_greedy:
             tokens = greedy_verify(probs, drafts)
-        else:
-            tokens = rejection_sample(probs, seq.draft_probs[: len(drafts)], drafts, self._generator(seq))
+        else:  # the batched path's sampler on one request: same counter streams, so either path gives its tokens
+            dev = probs.device
+            emitted, acc = accept_sampled(probs[None], seq.draft_probs[None, : len(drafts)].to(dev),
+                                          torch.tensor([drafts], device=dev), torch.tensor([len(drafts)], device=dev),
+                                          torch.tensor([seq.noise_seed], device=dev),
+                                          torch.tensor([seq.num_computed_tokens - 1], device=dev))
+            tokens = emitted[0, : int(acc[0]) + 1].tolist()
         accepted = len(tokens) - 1
-        if accepted < len(drafts):
-            self.runner.rollback(batch, seq.state_slot, 1 + accepted)
+        self.runner.commit_accepted(batch, seq.state_slot, 1 + accepted)
         seq.num_computed_tokens += accepted
+        self.k_policy.observe_step([(len(drafts), accepted)])
         self.spec_stats.record(len(drafts), accepted)
         seq.spec_stats.record(len(drafts), accepted)
         return tokens
@@ -318,15 +382,19 @@ class LLMEngine:
         if p.logprobs is not None:  # logprobs of verified tokens are not computed: no speculation
             return 0
         room = min(p.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens)
-        return max(0, min(self.args.num_speculative_tokens, room - 1))
+        return max(0, min(self._k_next, room - 1))
 
     def _draft_from(self, seq: Sequence, logits: torch.Tensor) -> int:
-        probs = target_distributions(self.sampler, logits[None], seq.params, seq.output_token_ids + seq.draft_tokens,
-                                     seq.prompt_token_ids, [], seq.eos_token_ids)[0]
+        """One draft from MTP logits, as the batched path drafts (glm5.engine.spec_batched): argmax, or the
+        request's counter stream over the temperature/top-k/top-p distribution (no penalties: any draft
+        distribution keeps verification exact), which is kept for the rejection test."""
         if seq.params.is_greedy:
-            token = int(torch.argmax(probs))
+            token = int(torch.argmax(logits))
         else:
-            token = draw(probs, self._generator(seq))
+            x = self.sampler.process_logits(logits[None], [neutral_params(seq.params)], output_token_ids=[[]])
+            probs = torch.softmax(x, dim=-1)[0]
+            pos = torch.tensor([seq.num_tokens + len(seq.draft_tokens)], device=probs.device)
+            token = int(race(probs[None], torch.tensor([seq.noise_seed], device=probs.device), pos, SALT_DRAFT)[0])
             seq.draft_probs = probs[None] if seq.draft_probs is None else torch.cat([seq.draft_probs, probs[None]])
         seq.draft_tokens.append(token)
         return token
@@ -339,9 +407,14 @@ class LLMEngine:
             if seq.is_finished or seq.state_slot is None:
                 continue
             lo = seq.num_computed_tokens - v
-            entries.append((seq, lo, seq.tokens(lo + 1, lo + v + 1)))
             start = batch.seqs[ci].start
-            rows.append(hidden[start:start + v])
+            own = hidden[start:start + v]
+            if seq.mtp_backlog is not None:  # rows batched steps held back (glm5.engine.spec_batched)
+                lo, own = seq.mtp_backlog.first_position, seq.mtp_backlog.take(own)
+                v = own.shape[0]
+                seq.mtp_backlog = None
+            entries.append((seq, lo, seq.tokens(lo + 1, lo + v + 1)))
+            rows.append(own)
             want.append(ci in sampled and self._num_drafts(seq) > 0)
         if not entries:
             return

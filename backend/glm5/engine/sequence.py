@@ -70,6 +70,10 @@ class Sequence:
     draft_tokens: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
     spec_stats: object | None = None
+    # batched speculation: the seed of the request's counter-based random streams (glm5.engine.spec_sampling)
+    # and the target hidden rows the MTP layer has not seen yet (glm5.engine.spec_batched.MTPBacklog)
+    noise_seed: int = 0
+    mtp_backlog: object | None = None
 
     @property
     def num_tokens(self) -> int:

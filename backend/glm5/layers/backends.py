@@ -10,6 +10,8 @@ The choices (each set by ``GLM5_<NAME>_BACKEND`` or :func:`set_backends`):
 * ``decode_attn``: the sparse NoPE MLA decode of the batched decode path — ``triton``, ``flashinfer``
   or ``torch``.
 * ``index``, ``moe``, ``mhc``: our Triton kernels (``glm5_kernels``) or their torch references.
+* ``spec_kda``: the KDA recurrences of batched speculative verification and its commit
+  (:mod:`glm5_kernels.kda_verify`, Triton) or their torch references.
 * ``sampling``: ``torch`` or FlashInfer's fused sampling for unseeded rows.
 
 ``auto`` picks the fast path when the tensors live on a CUDA device, the library imports and the
@@ -17,9 +19,10 @@ dtype/shape is one the kernels take, else the torch path (FlashInfer is never au
 :func:`decode_attn_backend`). An explicit choice
 that cannot run raises :class:`BackendUnavailable` naming the reason — never a silent fallback,
 because a silently slower (or differently rounded) path makes benchmark and oracle results lie.
-One documented exception inside the fla path: speculative-verification chunks that must record
-every row's KDA state run the reference recurrence (fla 0.6.0 cannot write per-row states outside
-the slot pool in place); they are a few rows per request.
+One documented exception inside the fla path: speculative-verification chunks of the per-request path
+(steps that mix verification with prefill) run the reference recurrence, because they must leave the
+state unwritten until the commit; they are a few rows per request. Verification on the batched path
+takes ``spec_kda``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ SAMPLING_CHOICES = ("auto", "torch", "flashinfer")
 MOE_CHOICES = ("auto", "torch", "triton")
 INDEX_CHOICES = ("auto", "torch", "triton")
 MHC_CHOICES = ("auto", "torch", "triton")
+SPEC_KDA_CHOICES = ("auto", "torch", "triton")
 
 _overrides: dict[str, str] = {}
 
@@ -50,12 +54,13 @@ class BackendUnavailable(RuntimeError):
 
 def set_backends(kda: str | None = None, attn: str | None = None, decode_attn: str | None = None,
                  sampling: str | None = None, moe: str | None = None, index: str | None = None,
-                 mhc: str | None = None) -> None:
+                 mhc: str | None = None, spec_kda: str | None = None) -> None:
     """Override the environment for this process (``None`` leaves a setting unchanged)."""
     for name, value, choices in (("kda", kda, KDA_CHOICES), ("attn", attn, ATTN_CHOICES),
                                  ("decode_attn", decode_attn, DECODE_ATTN_CHOICES),
                                  ("sampling", sampling, SAMPLING_CHOICES), ("moe", moe, MOE_CHOICES),
-                                 ("index", index, INDEX_CHOICES), ("mhc", mhc, MHC_CHOICES)):
+                                 ("index", index, INDEX_CHOICES), ("mhc", mhc, MHC_CHOICES),
+                                 ("spec_kda", spec_kda, SPEC_KDA_CHOICES)):
         if value is not None:
             _validate(name, value, choices)
             _overrides[name] = value
@@ -204,6 +209,13 @@ def index_backend(device: torch.device, dtype: torch.dtype | None = None) -> str
     """``"triton"`` (kpool append/compress and index-score kernels) or ``"torch"`` (their references) for the
     indexer (batched decode and prefill scoring / pool completion)."""
     return _triton_or_torch("index", INDEX_CHOICES, device, dtype)
+
+
+def spec_kda_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """``"triton"`` (:mod:`glm5_kernels.kda_verify`: one program per request, head and value block walks the
+    verification rows with the state in registers) or ``"torch"`` (the references) for the KDA recurrences of
+    batched speculative verification and its commit."""
+    return _triton_or_torch("spec_kda", SPEC_KDA_CHOICES, device, dtype)
 
 
 def sampling_backend(device: torch.device) -> str:
