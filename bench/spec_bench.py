@@ -220,6 +220,24 @@ def cost_table(rounds: list[dict], device: str) -> dict:
             "rounds": rows}
 
 
+def trained_with_mtp(ckpt: Path | None, out: Path, device: str) -> Path:
+    """``ckpt`` when its MTP layer was trained (``train_report.json`` has ``mtp``); a copy with the MTP layer
+    trained when it was not (checkpoints made before the MTP stage); a fresh one when there is none."""
+    import shutil
+
+    from glm5 import trained_tiny_checkpoint as trained_tiny
+    if ckpt is None or not (ckpt / "config.json").is_file():
+        return trained_tiny.train_tiny_checkpoint(out / "trained", device=device)
+    if json.loads((ckpt / trained_tiny.REPORT_FILE).read_text()).get("mtp"):
+        return ckpt
+    from glm5.tiny_mtp_training import train_mtp_layer
+    copy = out / "trained_mtp"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(ckpt, copy)
+    train_mtp_layer(copy, device=device)
+    return copy
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -249,9 +267,7 @@ def main() -> int:
                  "gpu": torch.cuda.get_device_name() if cuda else "none", "torch": torch.__version__,
                  "command": " ".join(sys.argv)}
     ckpt = args.trained_ckpt or (Path(os.environ["GLM5_TRAINED_CKPT"]) if os.environ.get("GLM5_TRAINED_CKPT") else None)
-    if ckpt is None or not (ckpt / "config.json").is_file():
-        from glm5.trained_tiny_checkpoint import train_tiny_checkpoint
-        ckpt = train_tiny_checkpoint(args.out / "trained", device="cuda" if cuda else "cpu")
+    ckpt = trained_with_mtp(ckpt, args.out, "cuda" if cuda else "cpu")
     res["trained_checkpoint"] = str(ckpt)
     res["acceptance"] = run_acceptance(ckpt, "cuda" if cuda else "cpu", log)
     if not args.acceptance_only:

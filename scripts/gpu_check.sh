@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# The GPU check: the `gpu`-marked tests, the engine benchmark and the kernel micro-benchmarks on one
-# CUDA machine (built for the H200), from a checkout, with no network needed.
+# The GPU check: the `gpu`-marked tests, the engine benchmark, the kernel micro-benchmarks and the
+# speculative-decoding benchmark on one CUDA machine (built for the H200), from a checkout, offline.
 #
-# Usage: scripts/gpu_check.sh [tests|bench|kernels|all] [OUTDIR]     (default: all, bench/out/gpu_check)
+# Usage: scripts/gpu_check.sh [tests|bench|kernels|spec|all] [OUTDIR]     (default: all, bench/out/gpu_check)
 #   tests    pytest -m gpu over tests/ -> OUTDIR/gpu_tests.log and OUTDIR/gpu_tests.xml (JUnit);
 #            the per-layer bf16 diagnostic -> OUTDIR/bf16_layer_errors.json
 #   bench    bench/bench.py -> OUTDIR/bench/ (results.json, profile_*.txt, bench.log, stdout.log), rendered
 #            to OUTDIR/bench/RESULTS.md by bench/render_results.py (docs/benchmarks.md: how to record it)
 #   kernels  bench/kernel_bench.py and, when flashinfer imports, bench/flashinfer_bench.py -> OUTDIR/kernels/
-#   all      the three in that order; OUTDIR/device.txt always records the GPU, driver and versions
+#   spec     bench/spec_bench.py -> OUTDIR/spec/ (spec_results.json, cost_table.json for speculative_cost_table,
+#            SPEC.md: the speculative section rendered; docs/speculative.md)
+#   all      the four in that order; OUTDIR/device.txt always records the GPU, driver and versions
 # Exit status: non-zero when a stage fails (the later stages still run).
 #
 # Setup it does first (each step only when needed):
@@ -21,13 +23,13 @@
 # Environment: PYTHON (default python3), GLM5_TRAINED_CKPT (a checkpoint from
 #   `python -m glm5.trained_tiny_checkpoint DIR`; default .gpuref/trained when present, else the bf16 test
 #   trains one on the GPU), PYTEST_ARGS (extra pytest arguments, e.g. -k or -x), BENCH_ARGS (default
-#   --profile-prefill; e.g. --quick --skip-hf), TESTS_TIMEOUT / BENCH_TIMEOUT / KERNELS_TIMEOUT in seconds
-#   (defaults 1200 / 900 / 300).
+#   --profile-prefill; e.g. --quick --skip-hf), TESTS_TIMEOUT / BENCH_TIMEOUT / KERNELS_TIMEOUT /
+#   SPEC_TIMEOUT in seconds (defaults 1200 / 900 / 300 / 600).
 set -uo pipefail
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 
 STAGE=${1:-all}
-case "$STAGE" in tests|bench|kernels|all) ;; *) echo "unknown stage '$STAGE': use tests, bench, kernels or all" >&2; exit 2;; esac
+case "$STAGE" in tests|bench|kernels|spec|all) ;; *) echo "unknown stage '$STAGE': use tests, bench, kernels, spec or all" >&2; exit 2;; esac
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT=$(mkdir -p "${2:-bench/out/gpu_check}" && cd "${2:-bench/out/gpu_check}" && pwd)
@@ -133,7 +135,26 @@ run_kernels() {
   return $rc
 }
 
-for s in tests bench kernels; do
+run_spec() {
+  mkdir -p "$OUT/spec"
+  timeout "${SPEC_TIMEOUT:-600}" "$PY" bench/spec_bench.py --out "$OUT/spec" --cost-table "$OUT/spec/cost_table.json" \
+    > "$OUT/spec/stdout.log" 2>&1
+  local rc=$?
+  tail -5 "$OUT/spec/stdout.log" | cut -c1-300
+  if [ -f "$OUT/spec/spec_results.json" ]; then
+    "$PY" - "$OUT/spec/spec_results.json" "$OUT/spec/SPEC.md" <<'PY'
+import json, sys
+sys.path.insert(0, "bench")
+from render_results import speculative_tables
+spec = json.load(open(sys.argv[1]))
+open(sys.argv[2], "w").write("\n".join(["# Speculative decoding (MTP)", "", *speculative_tables(spec)]) + "\n")
+PY
+    sed -n '1,60p' "$OUT/spec/SPEC.md"
+  fi
+  return $rc
+}
+
+for s in tests bench kernels spec; do
   if [ "$STAGE" = all ] || [ "$STAGE" = "$s" ]; then
     echo "== $s" >&2
     "run_$s" || { echo "== $s FAILED (exit $?)" >&2; FAILED=1; }

@@ -22,12 +22,6 @@ MIN_AGREE = 18
 
 
 @pytest.fixture(scope="session")
-def trained_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The trained tiny checkpoint (seed 0, default steps), built once per test session."""
-    return trained_tiny.train_tiny_checkpoint(tmp_path_factory.mktemp("tiny_trained") / "ckpt")
-
-
-@pytest.fixture(scope="session")
 def fp32_tokens(trained_checkpoint: Path) -> tuple[list[list[int]], list[list[int]]]:
     prompts = trained_tiny.agreement_prompts(_vocab(trained_checkpoint))
     return prompts, trained_tiny.greedy_tokens(trained_checkpoint, prompts, "float32")

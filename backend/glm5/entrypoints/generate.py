@@ -50,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--num-cache-blocks", type=int, default=None)
     p.add_argument("--num-speculative-tokens", type=int, default=0)
+    p.add_argument("--speculative-policy", choices=("fixed", "adaptive"), default="fixed",
+                   help="fixed: always --num-speculative-tokens drafts; adaptive: k per step (docs/speculative.md)")
+    p.add_argument("--draft-vocab-size", type=int, default=0,
+                   help="draft over the N most frequent tokens of <model>/draft_vocab.json (0: full vocabulary)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
@@ -101,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineArgs(model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   block_size=args.block_size, num_cache_blocks=args.num_cache_blocks,
-                                  num_speculative_tokens=args.num_speculative_tokens))
+                                  num_speculative_tokens=args.num_speculative_tokens,
+                                  speculative_policy=args.speculative_policy, draft_vocab_size=args.draft_vocab_size))
     prompts, params = _prompts(args), _params(args)
     t0 = time.time()
     results: dict[str, dict] = {}

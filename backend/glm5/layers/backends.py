@@ -159,7 +159,7 @@ def _sm90_or_newer(device: torch.device) -> bool:
 
 def decode_attn_backend(device: torch.device, dtype: torch.dtype | None = None, latent_width: int | None = None) -> str:
     """``"triton"``, ``"flashinfer"`` or ``"torch"`` for the sparse NoPE MLA decode of the batched decode path
-    (speculative-verification rows take the per-request path).
+    (speculative-verification rows of pure-decode steps included: each row is one query).
 
     ``auto`` on CUDA is the Triton kernel (fp32 included, IEEE products), the torch reference on CPU.
     FlashInfer's FA3 MLA runs when asked and it can (imports, SM90+, bf16/fp16, a latent width FA3 takes,
