@@ -143,3 +143,23 @@ def test_steps_without_drafts_skip_the_mtp_layer_and_catch_up_later(tiny_checkpo
     for r, p in common:
         assert drafts_s[r][p] == drafts_f[r][p], (r, p)
     assert all(s.mtp_backlog is None for s in eng_s.scheduler.running)
+
+
+def test_above_the_speculative_batch_cap_steps_decode_without_drafts(tiny_checkpoint_dir):
+    """More running requests than speculative_max_batch: no drafts (plain batched decode, MTP layer deferred);
+    speculation resumes when the batch shrinks; tokens are k = 0's throughout."""
+    prompts = [random_prompt(n, 640, seed=60 + n) for n in (4, 12, 30)]
+    params = [greedy(n) for n in (6, 14, 14)]
+    ref = [o.token_ids for o in engine(tiny_checkpoint_dir, decode_path="batched").generate(prompts, params)]
+    eng = engine(tiny_checkpoint_dir, decode_path="batched", num_speculative_tokens=2, speculative_max_batch=2)
+    for i, (p, q) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", p, q)
+    drafted_at: list[int] = []
+    outs: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.token_ids)
+        if any(s.draft_tokens for s in eng.scheduler.running):
+            drafted_at.append(len(eng.scheduler.running))
+    assert [outs[f"r{i}"] for i in range(3)] == ref
+    assert drafted_at and max(drafted_at) <= 2 and eng.spec_stats.steps > 0

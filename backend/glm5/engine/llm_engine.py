@@ -24,7 +24,7 @@ from glm5.engine.model_runner import ModelRunner
 from glm5.engine.outputs import CompletionOutput, EngineStats, PromptInput, RequestOutput
 from glm5.engine.scheduler import Scheduler
 from glm5.engine.sequence import MultiModalData, Sequence
-from glm5.engine.spec_batched import BatchedSpeculation, VerifyResult, neutral_params
+from glm5.engine.spec_batched import MAX_BACKLOG, BatchedSpeculation, MTPBacklog, VerifyResult, neutral_params
 from glm5.engine.spec_decode import SpecStats, greedy_verify, target_distributions
 from glm5.engine.spec_sampling import SALT_DRAFT, accept_sampled, race
 from glm5.engine.spec_policy import AdaptiveK, FixedK, SpecCostModel
@@ -299,7 +299,7 @@ class LLMEngine:
             return outputs
         if self.spec is not None and self.spec.accepts(sched):
             return outputs + self._speculative_step(sched)
-        self._k_next = self.k_policy.choose(len(sched.chunks))
+        self._k_next = self._choose_k(len(self.scheduler.running))
         batch, model_out, sample_idx = self.runner.execute(sched)
         valid_rows: dict[int, int] = {}
         for ci, c in enumerate(sched.chunks):
@@ -332,6 +332,13 @@ class LLMEngine:
         return outputs
 
     # ------------------------------------------------------------------ speculative decoding
+    def _choose_k(self, batch: int) -> int:
+        """The next step's drafts: none above the batched speculation's request cap (those steps decode on
+        the plain batched path and the MTP layer waits), else the policy's."""
+        if self.spec is not None and batch > self.spec.max_requests:
+            return 0
+        return self.k_policy.choose(batch)
+
     def _speculative_step(self, sched) -> list[RequestOutput]:
         """A pure-decode step on the batched path: verify, accept and commit on the device, then draft."""
         res: VerifyResult = self.spec.verify(sched)
@@ -349,7 +356,7 @@ class LLMEngine:
             if not seq.is_finished:
                 live.append((i, seq))
         self.k_policy.observe_step(observed)
-        self._k_next = self.k_policy.choose(len(live))
+        self._k_next = self._choose_k(len(live))
         if live:
             self.spec.propose([(i, s, self._num_drafts(s)) for i, s in live], res, self.scheduler.ensure_blocks)
         return outputs
@@ -401,11 +408,12 @@ class LLMEngine:
 
     def _propose(self, sched, batch, hidden: torch.Tensor, valid_rows: dict[int, int], sampled: set[int]) -> None:
         """MTP catch-up over this step's accepted rows, then draft steps for requests that will decode."""
-        entries, rows, want = [], [], []
+        entries, rows, want, step_rows = [], [], [], []
         for ci, c in enumerate(sched.chunks):
             seq, v = c.seq, valid_rows[ci]
             if seq.is_finished or seq.state_slot is None:
                 continue
+            step_rows.append(v)
             lo = seq.num_computed_tokens - v
             start = batch.seqs[ci].start
             own = hidden[start:start + v]
@@ -416,6 +424,12 @@ class LLMEngine:
             entries.append((seq, lo, seq.tokens(lo + 1, lo + v + 1)))
             rows.append(own)
             want.append(ci in sampled and self._num_drafts(seq) > 0)
+        if not any(want):  # nobody drafts next step: decode rows can wait for the MTP layer (prompt chunks do not)
+            keep = [i for i, (r, v) in enumerate(zip(rows, step_rows)) if r.shape[0] >= MAX_BACKLOG or v > 1]
+            for i, (seq, lo, _) in enumerate(entries):
+                if i not in keep:  # graph outputs are overwritten by the next replay: keep a copy
+                    seq.mtp_backlog = MTPBacklog(lo, [rows[i].clone()])
+            entries, rows, want = [entries[i] for i in keep], [rows[i] for i in keep], [want[i] for i in keep]
         if not entries:
             return
         shared = {} if self.model_config.text.index_share_for_mtp_iteration else None

@@ -83,9 +83,10 @@ class BatchedSpeculation:
         text = runner.cfg.text
         dev, dtype = runner.device, runner.dtype
         self.max_requests = max_requests
-        self.stager = DecodeStager(self.cache, max_requests * (k_max + 1), runner.stager.max_blocks, dev)
+        # rows: verification needs k+1 per request, a catch-up up to a full backlog plus the step's rows
+        self.stager = DecodeStager(self.cache, max_requests * (MAX_BACKLOG + k_max + 1), runner.stager.max_blocks, dev)
         self.buffers = VerifyBuffers.allocate(text, max_requests, k_max + 1, dev, dtype)
-        self.planner = DecodeAttentionPlanner(text, max_requests * (k_max + 1), dtype, dev)
+        self.planner = DecodeAttentionPlanner(text, self.stager.max_batch, dtype, dev)
         self.fwd: SpecForwards = SpecForwards(self.model, self.mtp, self.cache, self.stager, self.buffers,
                                               self.planner, share_index=text.index_share_for_mtp_iteration)
         self.buckets = graph_buckets(max_requests)
@@ -266,7 +267,8 @@ class BatchedSpeculation:
             last.append(len(rows.tokens) - 1)
         hidden = torch.cat([h for _, _, h, _ in entries])
         logits_rows = last + [0] * (nb - n) if drafting else []
-        padded = nb * longest if drafting else len(rows.tokens)
+        # graph shapes: whole requests of ``longest`` rows; a longer catch-up (a backlog) runs eagerly as is
+        padded = nb * longest if drafting and longest <= self.k_max + 1 else len(rows.tokens)
         logits, h, scores = self.fwd.mtp_pass(rows, hidden, logits_rows, padded)
         if not drafting:
             return None

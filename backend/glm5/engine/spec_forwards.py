@@ -18,6 +18,7 @@ the caller consumes or copies them first (as :mod:`glm5.engine.spec_batched` doe
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -108,14 +109,14 @@ class SpecGraphs(SpecForwards):
             for b in reversed(self.buckets):
                 for t in range(self.k_max + 1, 1, -1):
                     batch = self._stage_verify(self._empty(), t, b)
-                    self._capture(("verify", b, t), lambda: self.model.forward(batch, self.cache), stream)
-                    self._capture(("commit", b, t), lambda: commit_verification(self.model, batch, self.n_valid[:b],
-                                                                                self.cache), stream)
+                    self._capture(("verify", b, t), functools.partial(self.model.forward, batch, self.cache), stream)
+                    self._capture(("commit", b, t), functools.partial(commit_verification, self.model, batch,
+                                                                      self.n_valid[:b], self.cache), stream)
                 for t in range(self.k_max + 1, 0, -1):
                     mb = self._stage_mtp(self._empty(), self.hidden_in[:0], [0] * b, b * t, False, None)
-                    self._capture(("catchup", b, t), lambda: self._mtp_outputs(mb, b * t), stream)
+                    self._capture(("catchup", b, t), functools.partial(self._mtp_outputs, mb, b * t), stream)
                 mb = self._stage_mtp(self._empty(), self.hidden_in[:0], list(range(b)), b, True, None)
-                self._capture(("draft", b), lambda: self._mtp_outputs(mb, b), stream)
+                self._capture(("draft", b), functools.partial(self._mtp_outputs, mb, b), stream)
         torch.cuda.current_stream(dev).wait_stream(stream)
         torch.cuda.synchronize(dev)
         logger.info("captured %d speculative CUDA graphs (batches %s, k <= %d) in %.1f s", len(self.graphs),
