@@ -234,7 +234,7 @@ def trained_with_mtp(ckpt: Path | None, out: Path, device: str) -> Path:
     copy = out / "trained_mtp"
     shutil.rmtree(copy, ignore_errors=True)
     shutil.copytree(ckpt, copy)
-    train_mtp_layer(copy, device=device)
+    train_mtp_layer(copy, trained_tiny.load_transformers_model(copy, device), device=device)
     return copy
 
 

@@ -37,7 +37,7 @@ def ckpt(tmp_path_factory) -> Path:
     from glm5.tiny_mtp_training import train_mtp_layer
     copy = tmp_path_factory.mktemp("spec_trained") / "ckpt"
     shutil.copytree(given, copy)
-    train_mtp_layer(copy, device="cuda")
+    train_mtp_layer(copy, trained_tiny.load_transformers_model(copy, "cuda"), device="cuda")
     return copy
 
 

@@ -120,17 +120,17 @@ def _targets(hf, stream: torch.Tensor, gen: torch.Generator, device: str):
     return ids[:, 1:], torch.cat(hidden), greedy[:, 1:]
 
 
-def train_mtp_layer(ckpt: str | Path, steps: int = DEFAULT_MTP_STEPS, seed: int = 0, device: str = "cpu") -> dict:
-    """Train ``ckpt``'s MTP layer in place (module docstring); returns the report (draft top-1 agreement
-    with the target's greedy token before / after, teacher forced on the corpus windows)."""
+def train_mtp_layer(ckpt: str | Path, hf, steps: int = DEFAULT_MTP_STEPS, seed: int = 0, device: str = "cpu") -> dict:
+    """Train ``ckpt``'s MTP layer in place (module docstring) against ``hf``, transformers' model of the same
+    checkpoint on ``device`` (``glm5.trained_tiny_checkpoint.load_transformers_model``); returns the report
+    (draft top-1 agreement with the target's greedy token before / after, teacher forced on corpus windows)."""
     from safetensors.torch import load_file
 
     from glm5.engine.draft_vocab import frequent_tokens, save_draft_vocab
     from glm5.tiny_checkpoint import CORPUS, build_tokenizer
-    from glm5.trained_tiny_checkpoint import load_transformers_model
 
     ckpt = Path(ckpt)
-    hf = load_transformers_model(ckpt, device).eval()
+    hf = hf.eval()
     for p in hf.parameters():
         p.requires_grad_(False)
     cfg = hf.config.text_config

@@ -266,7 +266,8 @@ def train_tiny_checkpoint(out_dir: str | Path, steps: int = DEFAULT_STEPS, seed:
     changed = _write_trained(model, out, out)
     del model, opt
     if mtp_steps > 0:
-        report.mtp = train_mtp_layer(out, steps=mtp_steps, seed=seed, device=device)
+        report.mtp = train_mtp_layer(out, load_transformers_model(out, device), steps=mtp_steps, seed=seed,
+                                     device=device)
     report.seconds = round(time.perf_counter() - t0, 2)
     (out / REPORT_FILE).write_text(json.dumps(asdict(report), indent=1) + "\n")
     logger.info("trained tiny checkpoint in %s: %d tensors updated, %.1f s, margin %.3f -> %.3f, acc %.3f -> %.3f",
