@@ -22,8 +22,8 @@ measured extremes by the expected accepted drafts. ``--cost-table FILE`` also wr
 times in the format ``speculative_cost_table`` reads (the adaptive policy's table).
 
 Usage: ``python bench/spec_bench.py --out DIR [--trained-ckpt DIR] [--batches 1 8 64] [--ctx 1024]
-[--acceptance-only] [--cost-table FILE] [--merge RESULTS_JSON]`` (``--merge`` adds the section to an existing
-``bench/bench.py`` results file; ``bench/render_results.py`` renders it).
+[--acceptance-only] [--profile] [--cost-table FILE] [--merge RESULTS_JSON]`` (``--merge`` adds the section to
+an existing ``bench/bench.py`` results file; ``bench/render_results.py`` renders it).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ sys.path.insert(0, str(HERE))
 
 ACCEPTANCE_LEVELS = (0.6, 0.8, 0.9)
 K_MAX = 3
+GEN_TOKENS = 640   # room for every timed step of one batch size (up to k+1 tokens per step)
 
 
 class _SetK:
@@ -69,9 +70,10 @@ def _engine(cfg_dict: dict, batch: int, ctx: int, weights: dict):
     from glm5.engine import EngineArgs, LLMEngine
     tmp = Path(tempfile.mkdtemp(prefix="spec_bench_"))
     (tmp / "config.json").write_text(json.dumps(cfg_dict))
-    blocks = batch * (-(-(ctx + 256) // 64)) + 8
+    room = GEN_TOKENS + 64
+    blocks = batch * (-(-(ctx + room) // 64)) + 8
     args = EngineArgs(model=str(tmp), dtype="bfloat16", device="cuda", block_size=64, num_cache_blocks=blocks,
-                      max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=ctx + 256,
+                      max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=ctx + room,
                       num_speculative_tokens=K_MAX, speculative_max_batch=batch, load_progress=False)
     return LLMEngine(args, weights=weights)
 
@@ -91,7 +93,23 @@ def _accept_all(spec_cls):
     return orig, accept
 
 
-def run_rounds(cfg_dict: dict, weights: dict, batch: int, ctx: int, steps: int, log) -> list[dict]:
+def _profile_step(eng, path: Path) -> dict:
+    """One engine step under the torch profiler: kernel count, summed GPU kernel time, the top-kernel table."""
+    eng.step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        eng.step()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    cuda = [e for e in ka if e.device_type.name == "CUDA"]
+    path.write_text(ka.table(sort_by="self_cuda_time_total", row_limit=30))
+    return {"cuda_kernels": sum(e.count for e in cuda),
+            "kernel_time_s": sum(e.self_device_time_total for e in cuda) / 1e6, "table": path.name}
+
+
+def run_rounds(cfg_dict: dict, weights: dict, batch: int, ctx: int, steps: int, log,
+               profile_dir: Path | None = None) -> list[dict]:
     from glm5.config import ModelConfig
     from glm5.engine.spec_batched import BatchedSpeculation
     from glm5.engine.spec_policy import WeightBytes, round_bytes
@@ -101,7 +119,7 @@ def run_rounds(cfg_dict: dict, weights: dict, batch: int, ctx: int, steps: int, 
     cfg = ModelConfig.from_dict(cfg_dict)
     wb = WeightBytes.from_config(cfg)
     g = torch.Generator().manual_seed(batch)
-    params = SamplingParams(temperature=0.0, max_tokens=250, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, ignore_eos=True)
     for i in range(batch):
         eng.add_request(f"b{i}", torch.randint(0, 150000, (ctx,), generator=g).tolist(), params)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) or eng.scheduler.waiting:
@@ -128,8 +146,11 @@ def run_rounds(cfg_dict: dict, weights: dict, batch: int, ctx: int, steps: int, 
             finally:
                 if orig is not None:
                     BatchedSpeculation._accept = orig
-            key = {"plain": "plain_step_s", "none": "step_s_none_accepted", "all": "step_s"}[mode]
-            row[key] = median(times)
+                key = {"plain": "plain_step_s", "none": "step_s_none_accepted", "all": "step_s"}[mode]
+                row[key] = median(times)
+                if profile_dir is not None and mode in ("plain", "all") and k in (0, K_MAX):
+                    row["profile" if k else "profile_plain"] = _profile_step(
+                        eng, profile_dir / f"profile_spec_b{batch}_k{k}.txt")
         row["bytes"] = round_bytes(cfg, wb, batch, k, ctx)
         rows.append(row)
         log(row)
@@ -248,6 +269,8 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8, help="timed engine steps per (batch, k, mode)")
     ap.add_argument("--acceptance-only", action="store_true", help="only the acceptance part (runs on a CPU)")
+    ap.add_argument("--profile", action="store_true", help="also profile one plain step and one k=3 round per batch "
+                    "(OUT/profile_spec_b{B}_k{k}.txt)")
     ap.add_argument("--cost-table", type=Path, help="also write the measured round times for speculative_cost_table")
     ap.add_argument("--merge", type=Path, help="add the results as the 'speculative' section of this results JSON")
     args = ap.parse_args()
@@ -284,7 +307,8 @@ def main() -> int:
         res["rounds"] = []
         for b in args.batches:
             try:
-                res["rounds"] += run_rounds(cfg_dict, weights, b, args.ctx, args.steps, log)
+                res["rounds"] += run_rounds(cfg_dict, weights, b, args.ctx, args.steps, log,
+                                            args.out if args.profile else None)
             except Exception as e:  # record and go on: one size failing must not hide the others
                 res["rounds"].append({"batch": b, "ctx": args.ctx, "error": f"{type(e).__name__}: {str(e)[:300]}"})
                 log(res["rounds"][-1])

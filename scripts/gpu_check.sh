@@ -8,8 +8,8 @@
 #   bench    bench/bench.py -> OUTDIR/bench/ (results.json, profile_*.txt, bench.log, stdout.log), rendered
 #            to OUTDIR/bench/RESULTS.md by bench/render_results.py (docs/benchmarks.md: how to record it)
 #   kernels  bench/kernel_bench.py and, when flashinfer imports, bench/flashinfer_bench.py -> OUTDIR/kernels/
-#   spec     bench/spec_bench.py -> OUTDIR/spec/ (spec_results.json, cost_table.json for speculative_cost_table,
-#            SPEC.md: the speculative section rendered; docs/speculative.md)
+#   spec     bench/spec_bench.py --profile -> OUTDIR/spec/ (spec_results.json, cost_table.json for
+#            speculative_cost_table, profile_spec_*.txt, SPEC.md: the section rendered; docs/speculative.md)
 #   all      the four in that order; OUTDIR/device.txt always records the GPU, driver and versions
 # Exit status: non-zero when a stage fails (the later stages still run).
 #
@@ -137,8 +137,8 @@ run_kernels() {
 
 run_spec() {
   mkdir -p "$OUT/spec"
-  timeout "${SPEC_TIMEOUT:-600}" "$PY" bench/spec_bench.py --out "$OUT/spec" --cost-table "$OUT/spec/cost_table.json" \
-    > "$OUT/spec/stdout.log" 2>&1
+  timeout "${SPEC_TIMEOUT:-600}" "$PY" bench/spec_bench.py --out "$OUT/spec" --profile \
+    --cost-table "$OUT/spec/cost_table.json" > "$OUT/spec/stdout.log" 2>&1
   local rc=$?
   tail -5 "$OUT/spec/stdout.log" | cut -c1-300
   if [ -f "$OUT/spec/spec_results.json" ]; then
