@@ -66,15 +66,22 @@ def median(xs: list[float]) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------- rounds
-def _engine(cfg_dict: dict, batch: int, ctx: int, weights: dict):
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _engine(cfg_dict: dict, batch: int, ctx: int, weights: dict, device: str = "cuda"):
     from glm5.engine import EngineArgs, LLMEngine
     tmp = Path(tempfile.mkdtemp(prefix="spec_bench_"))
     (tmp / "config.json").write_text(json.dumps(cfg_dict))
     room = GEN_TOKENS + 64
     blocks = batch * (-(-(ctx + room) // 64)) + 8
-    args = EngineArgs(model=str(tmp), dtype="bfloat16", device="cuda", block_size=64, num_cache_blocks=blocks,
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    args = EngineArgs(model=str(tmp), dtype=dtype, device=device, block_size=64, num_cache_blocks=blocks,
                       max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=ctx + room,
-                      num_speculative_tokens=K_MAX, speculative_max_batch=batch, load_progress=False)
+                      num_speculative_tokens=K_MAX, speculative_max_batch=batch, load_progress=False,
+                      decode_path="batched")
     return LLMEngine(args, weights=weights)
 
 
@@ -96,11 +103,11 @@ def _accept_all(spec_cls):
 def _profile_step(eng, path: Path) -> dict:
     """One engine step under the torch profiler: kernel count, summed GPU kernel time, the top-kernel table."""
     eng.step()
-    torch.cuda.synchronize()
+    _sync()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         eng.step()
-        torch.cuda.synchronize()
+        _sync()
     ka = prof.key_averages()
     cuda = [e for e in ka if e.device_type.name == "CUDA"]
     path.write_text(ka.table(sort_by="self_cuda_time_total", row_limit=30))
@@ -109,19 +116,21 @@ def _profile_step(eng, path: Path) -> dict:
 
 
 def run_rounds(cfg_dict: dict, weights: dict, batch: int, ctx: int, steps: int, log,
-               profile_dir: Path | None = None) -> list[dict]:
+               profile_dir: Path | None = None, device: str = "cuda") -> list[dict]:
+    """Round timings at one batch size (module docstring); ``device="cpu"`` runs the same steps eagerly (the
+    CPU tests' dry run of this function)."""
     from glm5.config import ModelConfig
     from glm5.engine.spec_batched import BatchedSpeculation
     from glm5.engine.spec_policy import WeightBytes, round_bytes
     from glm5.sampling_params import SamplingParams
 
-    eng = _engine(cfg_dict, batch, ctx, weights)
+    eng = _engine(cfg_dict, batch, ctx, weights, device)
     cfg = ModelConfig.from_dict(cfg_dict)
     wb = WeightBytes.from_config(cfg)
     g = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, ignore_eos=True)
     for i in range(batch):
-        eng.add_request(f"b{i}", torch.randint(0, 150000, (ctx,), generator=g).tolist(), params)
+        eng.add_request(f"b{i}", torch.randint(0, cfg.text.vocab_size, (ctx,), generator=g).tolist(), params)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
     rows = []
@@ -138,10 +147,10 @@ def run_rounds(cfg_dict: dict, weights: dict, batch: int, ctx: int, steps: int, 
                     eng.step()
                 times = []
                 for _ in range(steps):
-                    torch.cuda.synchronize()
+                    _sync()
                     t0 = time.perf_counter()
                     eng.step()
-                    torch.cuda.synchronize()
+                    _sync()
                     times.append(time.perf_counter() - t0)
             finally:
                 if orig is not None:
@@ -162,7 +171,8 @@ def run_rounds(cfg_dict: dict, weights: dict, batch: int, ctx: int, steps: int, 
     for sid in list(eng._requests):
         eng.abort(sid)
     del eng
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return rows
 
 

@@ -69,3 +69,36 @@ def test_render_shows_the_speculative_section(tmp_path):
     assert "## Speculative decoding (MTP)" in text
     assert "| 1 | 1024 | 3 | 34.00 | 24.40 | 10.00 | 4.00 | 50.0% |" in text
     assert "| 64 | 0.9 | 3 |" in text and "| 3 | 640 / 640 | 2.89 | 0.78 / 0.69 / 0.50 | yes |" in text
+
+
+def test_round_timing_runs_every_k_and_mode_on_the_cpu(tiny_checkpoint_dir):
+    """A dry run of the GPU part's machinery on the tiny checkpoint (eager, CPU): every k gets its plain,
+    none-accepted and all-accepted step times, the bytes of its round, and the all-accepted mode really
+    accepts every draft (the catch-up then covers k+1 rows)."""
+    import torch
+
+    from glm5.config import ModelConfig
+    from glm5.engine.spec_batched import BatchedSpeculation
+    from glm5.weights import load_weights
+
+    cfg_dict = json.loads((tiny_checkpoint_dir / "config.json").read_text())
+    weights = load_weights(str(tiny_checkpoint_dir), ModelConfig.from_dict(cfg_dict), device="cpu",
+                           dtype=torch.float32, progress=False)
+    seen: list[int] = []
+    orig = BatchedSpeculation._catch_up
+
+    def catch_up(self, entries, drafting):
+        seen.append(max(h.shape[0] for _, _, h, _ in entries))
+        return orig(self, entries, drafting)
+    BatchedSpeculation._catch_up = catch_up
+    try:
+        rows = spec_bench.run_rounds(cfg_dict, weights, 2, 24, 2, lambda r: None, device="cpu")
+    finally:
+        BatchedSpeculation._catch_up = orig
+    assert [r["k"] for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        assert r["plain_step_s"] == rows[0]["plain_step_s"] > 0 and r["step_s"] > 0
+        assert r["bytes"]["total"] == sum(v for k, v in r["bytes"].items() if k != "total")
+    assert all(r["step_s_none_accepted"] > 0 for r in rows[1:])
+    assert spec_bench.K_MAX + 1 in seen   # all accepted: k+1 rows to catch up
+    assert seen[0] > spec_bench.K_MAX + 1  # the first drafting step caught up on the k = 0 steps' backlog
