@@ -362,7 +362,7 @@ class LLMEngine:
         return outputs
 
     def _verify(self, chunk, batch, logits: torch.Tensor) -> list[int]:
-        """Accept drafts of a verification chunk; roll its states back to the last accepted row."""
+        """Accept drafts of a verification chunk (per-request path) and commit its states to the accepted rows."""
         seq = chunk.seq
         drafts = seq.draft_tokens[: chunk.num_drafts]
         probs = target_distributions(self.sampler, logits, seq.params, seq.output_token_ids, seq.prompt_token_ids,
