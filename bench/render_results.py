@@ -3,7 +3,8 @@
 What it shows: for the recorded H200 run (date, GPU, torch, command, backends), the measured ceilings,
 decode step time against the memory roofline per batch and context, prefill throughput against the
 bf16 matmul peak, transformers' decode in the same run, and (when present) the decode-attention backend
-comparison and the sparse-MLA kernel side-by-side, each labelled with the run it came from.
+comparison, the sparse-MLA kernel side-by-side and the speculative-decoding rounds, speed-ups and acceptance
+(``bench/spec_bench.py``), each labelled with the run it came from.
 
 ``finalize(res)`` adds the derived per-row fields (``step_ms``, ``roofline_fraction``, ``peak_fraction``)
 so the JSON is self-describing; ``render`` writes the markdown and ``plot_decode`` draws
@@ -11,8 +12,9 @@ so the JSON is self-describing; ``render`` writes the markdown and ``plot_decode
 recorded numbers lives in ``bench/results/limits.md`` (beside the JSON) and is appended verbatim.
 
 Usage: ``python bench/render_results.py [RESULTS_JSON] [--hf RUN.json] [--flashinfer RUN.json]
-[--mla-kernels FLASHINFER_BENCH.json]`` (default ``bench/results/results.json``; the flags copy
-transformers' rows, the per-backend decode rows or the kernel side-by-side from another run into it).
+[--mla-kernels FLASHINFER_BENCH.json] [--speculative SPEC_RESULTS.json]`` (default
+``bench/results/results.json``; the flags copy transformers' rows, the per-backend decode rows, the kernel
+side-by-side or the speculative section from another run into it).
 This module imports nothing from ``bench.py`` (``bench.py`` imports it), so the two never import each other.
 """
 
@@ -148,6 +150,43 @@ def mla_kernel_table(k: dict) -> list[str]:
     return out
 
 
+def speculative_tables(spec: dict) -> list[str]:
+    """The ``speculative`` section (``bench/spec_bench.py``): round cost per batch and k, the speed-up per
+    batch at each acceptance level, and the trained tiny checkpoint's acceptance."""
+    out = [f"Run {spec['date']} on {spec['gpu']} (`{spec['command']}`); bench config plus its MTP layer, CUDA graphs; "
+           "a round = one engine step (verify k+1 rows, accept, commit, MTP catch-up, k-1 draft steps).", ""]
+    rounds = spec.get("rounds", [])
+    if rounds:
+        out += _table(["batch", "ctx", "k", "round ms (all accepted)", "round ms (none accepted)", "plain step ms",
+                       "GB / round", "% of roofline"], "|---:|---:|---:|---:|---:|---:|---:|---:|", rounds,
+                      lambda r: [str(r["batch"]), str(r["ctx"]), str(r["k"]), f"{r['step_s'] * 1e3:.2f}",
+                                 f"{r.get('step_s_none_accepted', r['step_s']) * 1e3:.2f}",
+                                 f"{r['plain_step_s'] * 1e3:.2f}", f"{r['bytes']['total'] / 1e9:.2f}",
+                                 f"{100 * r['roofline_fraction']:.1f}%"],
+                      lambda r: [str(r.get("batch")), str(r.get("ctx")), str(r.get("k", ""))])
+        out += ["", "Bytes: `glm5.engine.spec_policy.round_bytes` (verify rows' and MTP passes' touched experts under "
+                "uniform routing, the draft steps' MTP weights and LM head reads, KDA state read twice + written, "
+                "attention) over the copy bandwidth of the same run.", ""]
+    if spec.get("speedup"):
+        out += _table(["batch", "acceptance / position", "best k", "decode speed-up vs k = 0", "per k"],
+                      "|---:|---|---:|---:|---|", spec["speedup"],
+                      lambda r: [str(r["batch"]), r["acceptance"] if r["acceptance"] != "measured"
+                                 else "measured " + "/".join(f"{x:.2f}" for x in r["rates"]), str(r["best_k"]),
+                                 f"{r['speedup']:.2f}x", ", ".join(f"k={k}: {v:.2f}" for k, v in r["speedup_per_k"].items())],
+                      lambda r: [str(r.get("batch"))])
+        out += [""]
+    if spec.get("acceptance"):
+        out += ["Acceptance on the trained tiny checkpoint (its 20 agreement prompts, greedy, 32 tokens):", ""]
+        out += _table(["k", "draft vocabulary", "mean accepted tokens / round", "acceptance per position",
+                       "tokens = k 0"], "|---:|---:|---:|---|---|", spec["acceptance"],
+                      lambda r: [str(r["k"]), f"{r['draft_vocab']} / {r['vocab']}", f"{r['mean_accepted_tokens']:.2f}",
+                                 " / ".join(f"{x:.2f}" for x in r["acceptance_per_position"]),
+                                 "yes" if r["tokens_equal_k0"] else "**no**"],
+                      lambda r: [str(r.get("k"))])
+        out += [""]
+    return out
+
+
 def render(res: dict, path: Path, notes: Path | None = None) -> None:
     """Write the markdown for ``res`` to ``path``; ``notes`` (a markdown file) is appended verbatim."""
     c = res["ceilings"]
@@ -208,6 +247,8 @@ def render(res: dict, path: Path, notes: Path | None = None) -> None:
             lines += ["", f"Largest batch transformers survived (of those tried): **{hf['largest_batch_survived']}**."]
         if hf.get("batches"):
             lines += [""]
+    if res.get("speculative"):
+        lines += ["## Speculative decoding (MTP)", "", *speculative_tables(res["speculative"])]
     if notes is not None and notes.exists():
         lines += [notes.read_text().rstrip(), ""]
     path.write_text("\n".join(lines))
@@ -250,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf", type=Path, help="take transformers' row from this results.json")
     ap.add_argument("--flashinfer", type=Path, help="take the per-backend decode rows from this results.json")
     ap.add_argument("--mla-kernels", type=Path, help="bench/flashinfer_bench.py output to include")
+    ap.add_argument("--speculative", type=Path, help="bench/spec_bench.py output (spec_results.json) to include")
     ap.add_argument("--out", type=Path, help="markdown to write (default: RESULTS.md beside the results JSON)")
     ap.add_argument("--plot", type=Path, help="where to draw the decode plot (default: decode.png beside the JSON)")
     ap.add_argument("--notes", type=Path, help=f"markdown appended verbatim (default: {NOTES_FILE} beside the JSON)")
@@ -263,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
             res[label] = f"run {other['date']} (`{other['command']}`)"
     if args.mla_kernels:
         res["mla_kernels"] = json.loads(args.mla_kernels.read_text())
+    if args.speculative:
+        res["speculative"] = json.loads(args.speculative.read_text())
     res = finalize(res)
     render(res, args.out or here / "RESULTS.md", args.notes or here / NOTES_FILE)
     note = plot_decode(res, args.plot or here / "decode.png")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check: the `gpu`-marked tests, the engine benchmark and the kernel micro-benchmarks on one
-# CUDA machine (built for the H200), from a checkout, with no network needed.
+# The GPU check: the `gpu`-marked tests, the engine benchmark, the kernel micro-benchmarks and the
+# speculative-decoding benchmark on one CUDA machine (built for the H200), from a checkout, offline.
 #
-# Usage: scripts/gpu_check.sh [tests|bench|kernels|fp8|all] [OUTDIR]     (default: all, bench/out/gpu_check)
+# Usage: scripts/gpu_check.sh [tests|bench|kernels|fp8|spec|all] [OUTDIR]     (default: all, bench/out/gpu_check)
 #   tests    pytest -m gpu over tests/ -> OUTDIR/gpu_tests.log and OUTDIR/gpu_tests.xml (JUnit);
 #            the per-layer bf16 diagnostic -> OUTDIR/bf16_layer_errors.json
 #   bench    bench/bench.py -> OUTDIR/bench/ (results.json, profile_*.txt, bench.log, stdout.log), rendered
@@ -10,6 +10,8 @@
 #   kernels  bench/kernel_bench.py and, when flashinfer imports, bench/flashinfer_bench.py -> OUTDIR/kernels/
 #   fp8      bench/fp8_check.py --write-table (fp8 kernels vs references, GEMV/_scaled_mm/bf16 timings, the
 #            per-shape choice table) and bench/tune_fused_moe.py --fp8 -> OUTDIR/fp8/ and kernels/glm5_kernels/configs/
+#   spec     bench/spec_bench.py --profile -> OUTDIR/spec/ (spec_results.json, cost_table.json for
+#            speculative_cost_table, profile_spec_*.txt, SPEC.md: the section rendered; docs/speculative.md)
 #   all      the four in that order; OUTDIR/device.txt always records the GPU, driver and versions
 # Exit status: non-zero when a stage fails (the later stages still run).
 #
@@ -23,13 +25,14 @@
 # Environment: PYTHON (default python3), GLM5_TRAINED_CKPT (a checkpoint from
 #   `python -m glm5.trained_tiny_checkpoint DIR`; default .gpuref/trained when present, else the bf16 test
 #   trains one on the GPU), PYTEST_ARGS (extra pytest arguments, e.g. -k or -x), BENCH_ARGS (default
-#   --profile-prefill; e.g. --quick --skip-hf), TESTS_TIMEOUT / BENCH_TIMEOUT / KERNELS_TIMEOUT in seconds
-#   (defaults 1200 / 900 / 300), FP8_TIMEOUT (default 600; fp8_check --budget-s 240 + the MoE tuner's 150 s).
+#   --profile-prefill; e.g. --quick --skip-hf), TESTS_TIMEOUT / BENCH_TIMEOUT / KERNELS_TIMEOUT /
+#   SPEC_TIMEOUT in seconds (defaults 1200 / 900 / 300 / 600), FP8_TIMEOUT (default 600; fp8_check
+#   --budget-s 240 + the MoE tuner's 150 s).
 set -uo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 
 STAGE=${1:-all}
-case "$STAGE" in tests|bench|kernels|fp8|all) ;; *) echo "unknown stage '$STAGE': use tests, bench, kernels, fp8 or all" >&2; exit 2;; esac
+case "$STAGE" in tests|bench|kernels|fp8|spec|all) ;; *) echo "unknown stage '$STAGE': use tests, bench, kernels, fp8, spec or all" >&2; exit 2;; esac
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT=$(mkdir -p "${2:-bench/out/gpu_check}" && cd "${2:-bench/out/gpu_check}" && pwd)
@@ -146,7 +149,26 @@ run_fp8() {
   return $rc
 }
 
-for s in tests bench kernels fp8; do
+run_spec() {
+  mkdir -p "$OUT/spec"
+  timeout "${SPEC_TIMEOUT:-600}" "$PY" bench/spec_bench.py --out "$OUT/spec" --profile \
+    --cost-table "$OUT/spec/cost_table.json" > "$OUT/spec/stdout.log" 2>&1
+  local rc=$?
+  tail -5 "$OUT/spec/stdout.log" | cut -c1-300
+  if [ -f "$OUT/spec/spec_results.json" ]; then
+    "$PY" - "$OUT/spec/spec_results.json" "$OUT/spec/SPEC.md" <<'PY'
+import json, sys
+sys.path.insert(0, "bench")
+from render_results import speculative_tables
+spec = json.load(open(sys.argv[1]))
+open(sys.argv[2], "w").write("\n".join(["# Speculative decoding (MTP)", "", *speculative_tables(spec)]) + "\n")
+PY
+    sed -n '1,60p' "$OUT/spec/SPEC.md"
+  fi
+  return $rc
+}
+
+for s in tests bench kernels fp8 spec; do
   if [ "$STAGE" = all ] || [ "$STAGE" = "$s" ]; then
     echo "== $s" >&2
     "run_$s" || { echo "== $s FAILED (exit $?)" >&2; FAILED=1; }

@@ -3,6 +3,8 @@
 ``tiny_checkpoint_dir`` builds the default tiny GLM-5.3-Flash checkpoint (seed 0, fp32) once per
 test session; tests must treat it as read-only (copy it if they need to modify files).
 ``real_config_path`` is the GLM-5.3-Flash ``config.json`` fixture (model-spec §1.1).
+``trained_checkpoint`` is the trained tiny checkpoint (confident predictions, trained MTP layer), built
+once per session (a few minutes on 2 cores); read-only as well.
 """
 
 from __future__ import annotations
@@ -33,6 +35,15 @@ def tiny_checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from glm5.tiny_checkpoint import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_glm5") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def trained_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The trained tiny checkpoint (``glm5.trained_tiny_checkpoint``, seed 0, default steps, MTP layer
+    trained too), built once per test session and shared by the modules that need it; read-only."""
+    from glm5 import trained_tiny_checkpoint as trained_tiny
+
+    return trained_tiny.train_tiny_checkpoint(tmp_path_factory.mktemp("tiny_trained") / "ckpt")
 
 
 @pytest.fixture(scope="session")

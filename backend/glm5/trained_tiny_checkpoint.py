@@ -14,14 +14,16 @@ offline and deterministic) read as one cyclic stream, so every next token is det
 context and a trained model is confidently right. Windows are drawn from a generator seeded by
 ``seed``. The trained weights are written back through ``save_pretrained`` (which produces the
 original key layout, per-expert tensors included), then every tensor of the original file is
-replaced by its trained value under the SAME name and dtype; the MTP layer (``layers.{L}.*``,
-not modelled by transformers) and the vision tower keep their random values. ``glm5.engine``
-therefore loads the result unchanged.
+replaced by its trained value under the SAME name and dtype; the vision tower keeps its random
+values. The MTP layer (``layers.{L}.*``, not modelled by transformers) is then trained against the
+frozen target by ``glm5.tiny_mtp_training`` (``mtp_steps``; 0 leaves it random), which also writes
+``draft_vocab.json``. ``glm5.engine`` therefore loads the result unchanged.
 
 The tests that need it (``tests/test_bf16_agreement.py`` on the CPU, ``tests/test_gpu_bf16.py`` on a GPU)
 build it in a fixture; ``scripts/gpu_check.sh`` uses a prebuilt one from ``$GLM5_TRAINED_CKPT``.
 
-CLI: ``python -m glm5.trained_tiny_checkpoint OUT_DIR [--steps N] [--seed S] [--device cpu|cuda] [--agreement]``.
+CLI: ``python -m glm5.trained_tiny_checkpoint OUT_DIR [--steps N] [--mtp-steps N] [--seed S] [--device cpu|cuda]
+[--agreement]``.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class TrainReport:
     margin_after: float = 0.0
     accuracy_before: float = 0.0    # next-token top-1 accuracy over the corpus
     accuracy_after: float = 0.0
+    mtp: dict = field(default_factory=dict)  # glm5.tiny_mtp_training's report (empty: MTP layer left random)
 
 
 def corpus_ids() -> list[int]:
@@ -209,15 +212,19 @@ def _write_trained(model, src: Path, out: Path) -> int:
 
 
 def train_tiny_checkpoint(out_dir: str | Path, steps: int = DEFAULT_STEPS, seed: int = 0,
-                          device: str = "cpu") -> Path:
+                          device: str = "cpu", mtp_steps: int | None = None) -> Path:
     """Write a trained tiny checkpoint to ``out_dir`` and return its path.
 
     ``out_dir`` receives every file of ``make_tiny_checkpoint(seed=seed)`` with ``model.safetensors``
     replaced by the trained weights (same tensor names and dtypes), plus ``train_report.json``
     (:class:`TrainReport`: loss curve, margins and accuracy before/after, wall time). The same
-    ``seed``, ``steps``, device and torch build give the same weights.
+    ``seed``, ``steps``, device and torch build give the same weights. ``mtp_steps`` (default
+    ``glm5.tiny_mtp_training.DEFAULT_MTP_STEPS``) trains the MTP layer afterwards.
     """
     from glm5.tiny_checkpoint import make_tiny_checkpoint
+    from glm5.tiny_mtp_training import DEFAULT_MTP_STEPS, train_mtp_layer
+
+    mtp_steps = DEFAULT_MTP_STEPS if mtp_steps is None else mtp_steps
 
     if steps < 1:
         raise ValueError(f"steps = {steps}: must be >= 1")
@@ -257,6 +264,10 @@ def train_tiny_checkpoint(out_dir: str | Path, steps: int = DEFAULT_STEPS, seed:
     report.margin_after, report.accuracy_after = logit_margins(model, eval_rows)
     report.margin_before, report.accuracy_before = margin_before, acc_before
     changed = _write_trained(model, out, out)
+    del model, opt
+    if mtp_steps > 0:
+        report.mtp = train_mtp_layer(out, load_transformers_model(out, device), steps=mtp_steps, seed=seed,
+                                     device=device)
     report.seconds = round(time.perf_counter() - t0, 2)
     (out / REPORT_FILE).write_text(json.dumps(asdict(report), indent=1) + "\n")
     logger.info("trained tiny checkpoint in %s: %d tensors updated, %.1f s, margin %.3f -> %.3f, acc %.3f -> %.3f",
@@ -324,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", help="directory to write the trained checkpoint into (created if missing)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="AdamW steps (batch 8 x 64 tokens)")
+    parser.add_argument("--mtp-steps", type=int, default=None,
+                        help="AdamW steps for the MTP layer against the frozen target (0: leave it random)")
     parser.add_argument("--seed", type=int, default=0, help="tiny-checkpoint seed and window-sampling seed")
     parser.add_argument("--device", default="cpu", help="torch device to train on (cpu or cuda)")
     parser.add_argument("--agreement", action="store_true",
@@ -331,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                              "engines, on the trained and on the random (untrained) checkpoint")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    path = train_tiny_checkpoint(args.out_dir, steps=args.steps, seed=args.seed, device=args.device)
+    path = train_tiny_checkpoint(args.out_dir, steps=args.steps, seed=args.seed, device=args.device,
+                                 mtp_steps=args.mtp_steps)
     result = json.loads((path / REPORT_FILE).read_text())
     if args.agreement:
         from glm5.tiny_checkpoint import make_tiny_checkpoint

@@ -24,7 +24,12 @@ class EngineArgs:
     num_cache_blocks: int | None = None  # None: sized from cache_memory_gb
     cache_memory_gb: float = 1.0
     block_size: int = 64
-    num_speculative_tokens: int = 0
+    num_speculative_tokens: int = 0      # MTP drafts per step (the most, with the adaptive policy)
+    speculative_policy: str = "fixed"    # fixed (always num_speculative_tokens) | adaptive (k per step, 0 included)
+    speculative_cost_table: str | None = None  # adaptive: measured round times (bench/spec_bench.py); else bytes
+    speculative_max_batch: int = 64      # batched speculative steps up to this many requests (verify buffers, graphs)
+    draft_vocab_size: int = 0            # >0: the MTP drafts over the N most frequent tokens (EAGLE-3 style)
+    draft_vocab_file: str | None = None  # JSON token ids, most frequent first (default: <model>/draft_vocab.json)
     seed: int = 0
     media_caps: dict | None = None
     load_progress: bool = True
@@ -56,6 +61,12 @@ class EngineArgs:
             raise ValueError(f"cache_memory_gb={self.cache_memory_gb}: must be a positive number")
         if not 0 <= self.num_speculative_tokens <= 5:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}: must be in 0..5")
+        if self.speculative_policy not in ("fixed", "adaptive"):
+            raise ValueError(f"speculative_policy={self.speculative_policy!r}: use fixed or adaptive")
+        if self.speculative_max_batch < 1:
+            raise ValueError(f"speculative_max_batch={self.speculative_max_batch}: must be >= 1")
+        if self.draft_vocab_size < 0:
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size}: must be >= 0 (0 = the full vocabulary)")
         if self.index_cache not in ("exact", "fp8"):
             raise ValueError(f"index_cache={self.index_cache!r}: use exact or fp8")
         if self.decode_path not in ("auto", "batched", "per_request"):

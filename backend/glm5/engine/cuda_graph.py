@@ -62,23 +62,31 @@ class DecodeStager:
     def __init__(self, cache: HybridCache, max_batch: int, max_blocks: int, device: torch.device):
         self.cache, self.max_batch, self.max_blocks, self.device = cache, max_batch, max_blocks, device
         pin = device.type == "cuda"
-        self.host_i64 = torch.zeros(4, max_batch, dtype=torch.int64, pin_memory=pin)
+        # rows: token ids, positions, state slots, latent slot of each row, logits rows (when not every row)
+        self.host_i64 = torch.zeros(5, max_batch, dtype=torch.int64, pin_memory=pin)
         self.host_bt = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=pin)
-        self.dev_i64 = torch.zeros(4, max_batch, dtype=torch.int64, device=device)
+        self.dev_i64 = torch.zeros(5, max_batch, dtype=torch.int64, device=device)
         self.dev_bt = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(max_batch, dtype=torch.int64, device=device)
         self._copied = torch.cuda.Event() if pin else None
         self._pad_slot = cache.scratch_block * cache.block_size  # latent row of a padding row's token
 
     def stage(self, rows: DecodeRows, padded: int,
-              prepare: Callable[[ForwardBatch], None] | None = None) -> ForwardBatch:
+              prepare: Callable[[ForwardBatch], None] | None = None, *, rows_per_seq: int = 1,
+              logits_rows: list[int] | None = None, verify=None) -> ForwardBatch:
         """Write ``rows`` (then padding up to ``padded`` rows) into the device buffers; return the batch view.
 
         ``prepare(batch)``: the step's host-side planning (FlashInfer). Its copies are enqueued before the
-        event that the next :meth:`stage` waits on before rewriting pinned memory."""
+        event that the next :meth:`stage` waits on before rewriting pinned memory. Speculative steps:
+        ``rows_per_seq`` rows per request (verification, with ``verify`` the layers' buffers), and
+        ``logits_rows`` when only some rows need logits (the MTP catch-up: each request's last row). A row
+        whose position lies past its request's blocks (a draft beyond the blocks the scheduler granted)
+        writes its latent row to the scratch block."""
         n = len(rows)
         if not n <= padded <= self.max_batch:
             raise ValueError(f"decode batch of {n} rows padded to {padded}: must be <= max batch {self.max_batch}")
+        if padded % rows_per_seq or n % rows_per_seq:
+            raise ValueError(f"{n} rows padded to {padded} are not whole requests of {rows_per_seq} rows")
         longest = max((len(bt) for bt in rows.block_tables), default=0)
         if longest > self.max_blocks:
             raise ValueError(f"a request holds {longest} blocks but the decode buffers have {self.max_blocks} "
@@ -94,27 +102,35 @@ class DecodeStager:
         bt[:padded] = self.cache.scratch_block
         for i, (table, pos) in enumerate(zip(rows.block_tables, rows.positions)):
             bt[i, : len(table)] = table
-            h[3, i] = table[pos // bs] * bs + pos % bs
+            blk = pos // bs
+            h[3, i] = table[blk] * bs + pos % bs if blk < len(table) else self._pad_slot
         h[0, n:padded] = 0
         h[1, n:padded] = 0
         h[2, n:padded] = self.cache.scratch_slot
         h[3, n:padded] = self._pad_slot
-        # the whole [4, max_batch] block: a column slice is not contiguous and would go through a pageable copy
+        if logits_rows is not None:
+            h[4, : len(logits_rows)] = logits_rows
+        # the whole [5, max_batch] block: a column slice is not contiguous and would go through a pageable copy
         self.dev_i64.copy_(self.host_i64, non_blocking=True)
         self.dev_bt[:padded].copy_(self.host_bt[:padded], non_blocking=True)
-        batch = self.view(padded, positions_host=list(rows.positions) + [0] * (padded - n))
+        batch = self.view(padded, positions_host=list(rows.positions) + [0] * (padded - n), rows_per_seq=rows_per_seq,
+                          n_logits=None if logits_rows is None else len(logits_rows), verify=verify)
         if prepare is not None:
             prepare(batch)
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self.device))
         return batch
 
-    def view(self, b: int, positions_host: list[int] | None = None) -> ForwardBatch:
-        """The first ``b`` rows of the static buffers as a decode batch (logits for every row)."""
+    def view(self, b: int, positions_host: list[int] | None = None, rows_per_seq: int = 1,
+             n_logits: int | None = None, verify=None) -> ForwardBatch:
+        """The first ``b`` rows of the static buffers as a decode batch: logits for every row, or for the
+        first ``n_logits`` entries of the staged logits rows."""
         ids, pos, slots, slot_map = (self.dev_i64[i, :b] for i in range(4))
-        return ForwardBatch(input_ids=ids, positions=pos, seqs=[], logits_indices=self.logits_indices[:b],
+        logits = self.logits_indices[:b] if n_logits is None else self.dev_i64[4, :n_logits]
+        return ForwardBatch(input_ids=ids, positions=pos, seqs=[], logits_indices=logits,
                             decode=DecodeMeta(state_slots=slots, block_tables=self.dev_bt[:b],
-                                              slot_mapping=slot_map, positions_host=positions_host))
+                                              slot_mapping=slot_map, positions_host=positions_host,
+                                              rows_per_seq=rows_per_seq, verify=verify))
 
 
 class DecodeAttentionPlanner:

@@ -40,7 +40,10 @@ from glm5.engine.prompt_logprobs import score as score_prompt_logprobs
 from glm5.engine.prompt_processor import PreparedPrompt, PromptProcessor, PromptTooLongError
 from glm5.engine.scheduler import Scheduler, SchedulerOutput
 from glm5.engine.sequence import MultiModalData, Sequence, SeqStatus
-from glm5.engine.spec_decode import SpecStats, draw, greedy_verify, rejection_sample, target_distributions
+from glm5.engine.spec_batched import MAX_BACKLOG, BatchedSpeculation, MTPBacklog, VerifyResult, neutral_params
+from glm5.engine.spec_decode import SpecStats, greedy_verify, target_distributions
+from glm5.engine.spec_sampling import SALT_DRAFT, accept_sampled, race
+from glm5.engine.spec_policy import AdaptiveK, FixedK, SpecCostModel
 from glm5.detokenizer import RequestOutputProcessor
 from glm5.sampler import Sampler, TokenLogprobs, bad_word_token_ids, make_generator
 from glm5.sampling_params import SamplingParams
@@ -109,14 +112,27 @@ class LLMEngine:
         if self.max_model_len < args.max_model_len:
             logger.warning("max_model_len %d exceeds the cache (%d blocks x %d tokens): capped to %d",
                            args.max_model_len, cache_cfg.num_blocks, cache_cfg.block_size, self.max_model_len)
+        k = args.num_speculative_tokens
         self.runner = ModelRunner(self.model_config, weights, cache_cfg, self.device, self.dtype,
                                   use_mtp=use_mtp, index_fp8=args.index_cache == "fp8",
                                   max_model_len=self.max_model_len, decode_path=args.decode_path,
-                                  encoder_cache_bytes=self.memory_plan.bytes_of("vision_encoder_cache"))
+                                  encoder_cache_bytes=self.memory_plan.bytes_of("vision_encoder_cache"),
+                                  draft_vocab=self._draft_vocab(args))
         self._log_backends()
+        self.sampler = Sampler(seed=args.seed)
+        # speculative steps of pure-decode batches on the batched path (glm5.engine.spec_batched)
+        spec_batch = min(args.speculative_max_batch, args.max_num_seqs)
+        self.spec = BatchedSpeculation(self.runner, self.sampler, k, spec_batch) \
+            if k > 0 and self.runner.batched_decode else None
         if self.device.type == "cuda" and not args.enforce_eager:
-            self.runner.capture_cuda_graphs(args.cuda_graph_max_batch or args.max_num_seqs)
-        self.spec_stats = SpecStats(args.num_speculative_tokens) if args.num_speculative_tokens else None
+            graph_max = args.cuda_graph_max_batch or args.max_num_seqs
+            self.runner.capture_cuda_graphs(graph_max)
+            if self.spec is not None and self.runner.graphs is not None:
+                self.spec.capture_cuda_graphs(graph_max, pool=self.runner.graphs.pool)
+        self.spec_stats = SpecStats(k) if k else None
+        self.k_policy = self._k_policy(args)
+        self._k_next = k
+        self._noise_seeds = torch.Generator().manual_seed(args.seed)
         self.kv = KVCacheManager(self.runner.cache, cache_cfg.num_blocks, cache_cfg.num_state_slots,
                                  self._prefix_cache_config(args))
         self.blocks, self.slots = self.kv.blocks, self.kv.slots
@@ -136,7 +152,6 @@ class LLMEngine:
         self.finished_total = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        self.sampler = Sampler(seed=args.seed)
 
     # ------------------------------------------------------------------ setup helpers
     def _log_backends(self) -> None:
@@ -163,6 +178,22 @@ class LLMEngine:
         return PrefixCacheConfig(num_snapshots=n, lookahead=1 if self.runner.mtp is not None else 0,
                                  checkpoint_interval=args.prefix_cache_checkpoint_interval,
                                  points=args.snapshot_points, min_junction_gain=args.block_size)
+
+    def _draft_vocab(self, args: EngineArgs) -> torch.Tensor | None:
+        if args.num_speculative_tokens == 0 or args.draft_vocab_size == 0:
+            return None
+        from glm5.engine.draft_vocab import load_draft_vocab
+        return load_draft_vocab(args.draft_vocab_file or Path(args.model) / "draft_vocab.json", args.draft_vocab_size,
+                                self.model_config.text.vocab_size)
+
+    def _k_policy(self, args: EngineArgs):
+        k = args.num_speculative_tokens
+        if k == 0 or args.speculative_policy == "fixed":
+            return FixedK(k)
+        vocab = args.draft_vocab_size or None
+        cost = SpecCostModel.load(args.speculative_cost_table, self.model_config, draft_vocab=vocab) \
+            if args.speculative_cost_table else SpecCostModel(self.model_config, draft_vocab=vocab)
+        return AdaptiveK(k, cost)
 
     @staticmethod
     def _load_tokenizer(path: str):
@@ -248,6 +279,10 @@ class LLMEngine:
             seq.bad_words_token_ids = bad_word_token_ids(self.tokenizer, params.bad_words)
         if self.spec_stats is not None:
             seq.spec_stats = SpecStats(self.args.num_speculative_tokens)
+            # counter-based sampling streams of batched speculation: the request's seed, else one drawn
+            # from the engine seed (reproducible runs), never from the batch
+            seq.noise_seed = params.seed if params.seed is not None else \
+                int(torch.randint(0, 2**62, (1,), generator=self._noise_seeds))
         proc = RequestOutputProcessor(self.tokenizer or _NoTextTokenizer(), ids, params, self.eos_token_ids)
         self._requests[request_id] = _RequestState(seq=seq, proc=proc, prompt_text=prompt_text)
         self.prompt_tokens_total += len(ids)
@@ -286,6 +321,8 @@ class LLMEngine:
         ``finish_reason="error"``; an unrecoverable device error raises :class:`EngineDeadError`."""
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
+        for seq in sched.preempted:  # recomputed from the prompt: the MTP layer's cache goes with the blocks
+            seq.mtp_backlog = None
         if sched.chunks:
             self._run_isolated(sched, outputs)
         return outputs
@@ -358,9 +395,13 @@ class LLMEngine:
 
     def _run_step(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
         """Forward, sample, record tokens (appended to ``outputs`` as they are made), MTP proposals."""
-        batch, model_out, sample_idx = self.runner.execute(sched)
         if self.faults is not None:
             self.faults.check(sched)
+        if self.spec is not None and self.spec.accepts(sched):
+            self._speculative_step(sched, outputs)
+            return
+        self._k_next = self._choose_k(len(self.scheduler.running))
+        batch, model_out, sample_idx = self.runner.execute(sched)
         for ci, row, n, p0 in batch.prompt_logprob_rows:
             score_prompt_logprobs(sched.chunks[ci].seq, model_out.logits[row:row + n], p0)
         valid_rows: dict[int, int] = {}
@@ -386,6 +427,7 @@ class LLMEngine:
                 valid_rows[ci] += len(new_tokens[ci][0]) - 1
         now = time.time()
         finished: list[Sequence] = []
+        trimmed: set[int] = set()
         for ci, c in enumerate(sched.chunks):
             c.seq.draft_tokens, c.seq.draft_probs = [], None
             if ci in new_tokens:
@@ -393,50 +435,90 @@ class LLMEngine:
                 outputs.append(self._append_tokens(c.seq, toks, lps, now))
                 if c.seq.is_finished:
                     finished.append(c.seq)
-                    valid_rows[ci] -= self._trim_to_output(c, batch, valid_rows[ci])
+                    excess = self._trim_to_output(c.seq)
+                    valid_rows[ci] -= excess
+                    if excess:
+                        trimmed.add(id(c.seq))
+        self._finish_step(sched, finished, trimmed, lambda: self.runner.mtp is not None and self._propose(
+            sched, batch, model_out.hidden, valid_rows, {ci for ci, _, _ in sample_idx}))
+
+    def _finish_step(self, sched: SchedulerOutput, finished: list[Sequence], trimmed: set[int], propose) -> None:
+        """After the step's tokens are recorded: MTP proposals (``propose``), then — the step's rows being
+        final — share its full blocks, take planned snapshots and release what finished, with a snapshot at
+        its end (the next chat turn starts there) unless its states hold rows past its output (``trimmed``)."""
         complete = False
         try:
-            if self.runner.mtp is not None:
-                self._propose(sched, batch, model_out.hidden, valid_rows, {ci for ci, _, _ in sample_idx})
-            # the step's rows are final (MTP rows included): share its full blocks, take planned snapshots,
-            # then release what finished (with a snapshot at its end: the next chat turn starts there)
+            propose()
             for c in sched.chunks:
                 self.kv.after_step(c.seq)
             complete = True
         finally:  # a failed step still frees what finished, but leaves no snapshot of a half-updated state
             for seq in finished:
-                self.scheduler.release_finished(seq, snapshot=complete)
+                self.scheduler.release_finished(seq, snapshot=complete and id(seq) not in trimmed)
 
-    def _trim_to_output(self, chunk, batch, valid_rows: int) -> int:
-        """A verification chunk can accept more rows than the finished output keeps (a stop token or stop
-        string inside the accepted drafts): roll its states back to the last kept token, so that the
-        end-of-request snapshot holds exactly the request's tokens. Returns the rows dropped."""
-        seq = chunk.seq
+    def _trim_to_output(self, seq: Sequence) -> int:
+        """Rows a finished request computed past the output it keeps (a stop token or stop string inside
+        accepted drafts): its computed count is cut back to the kept tokens, so only their blocks are
+        shared, and the caller skips its end-of-request snapshot (its KDA states already include the extra
+        rows; the accepted-row commit cannot be undone). Returns the rows dropped."""
         excess = seq.num_computed_tokens - (seq.num_tokens - 1)
-        if excess <= 0 or not self.kv.enabled or not chunk.num_drafts:
+        if excess <= 0 or not self.kv.enabled:
             return 0
-        self.runner.rollback(batch, seq.state_slot, valid_rows - excess)
         seq.num_computed_tokens -= excess
         return excess
 
     # ------------------------------------------------------------------ speculative decoding
-    def _generator(self, seq: Sequence) -> torch.Generator:
-        return seq.generator if seq.generator is not None else self.sampler.shared_generator(self.device)
+    def _choose_k(self, batch: int) -> int:
+        """The next step's drafts: none above the batched speculation's request cap (those steps decode on
+        the plain batched path and the MTP layer waits), else the policy's."""
+        if self.spec is not None and batch > self.spec.max_requests:
+            return 0
+        return self.k_policy.choose(batch)
+
+    def _speculative_step(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
+        """A pure-decode step on the batched path: verify, accept and commit on the device, then draft."""
+        res: VerifyResult = self.spec.verify(sched)
+        now = time.time()
+        observed, live, finished, trimmed = [], [], [], set()
+        for i, c in enumerate(sched.chunks):
+            seq = c.seq
+            seq.num_computed_tokens += 1 + res.accepted[i]
+            if res.drafts[i]:
+                self.spec_stats.record(res.drafts[i], res.accepted[i])
+                seq.spec_stats.record(res.drafts[i], res.accepted[i])
+                observed.append((res.drafts[i], res.accepted[i]))
+            seq.draft_tokens, seq.draft_probs = [], None
+            outputs.append(self._append_tokens(seq, res.tokens[i], res.logprobs[i], now))
+            if seq.is_finished:
+                finished.append(seq)
+                if self._trim_to_output(seq):
+                    trimmed.add(id(seq))
+            else:
+                live.append((i, seq))
+        self.k_policy.observe_step(observed)
+        self._k_next = self._choose_k(len(live))
+        self._finish_step(sched, finished, trimmed, lambda: live and self.spec.propose(
+            [(i, s, self._num_drafts(s)) for i, s in live], res, self.scheduler.ensure_blocks))
 
     def _verify(self, chunk, batch, logits: torch.Tensor) -> list[int]:
-        """Accept drafts of a verification chunk; roll its states back to the last accepted row."""
+        """Accept drafts of a verification chunk (per-request path) and commit its states to the accepted rows."""
         seq = chunk.seq
         drafts = seq.draft_tokens[: chunk.num_drafts]
         probs = target_distributions(self.sampler, logits, seq.params, seq.output_token_ids, seq.prompt_token_ids,
                                      drafts, seq.eos_token_ids)
         if seq.params.is_greedy:
             tokens = greedy_verify(probs, drafts)
-        else:
-            tokens = rejection_sample(probs, seq.draft_probs[: len(drafts)], drafts, self._generator(seq))
+        else:  # the batched path's sampler on one request: same counter streams, so either path gives its tokens
+            dev = probs.device
+            emitted, acc = accept_sampled(probs[None], seq.draft_probs[None, : len(drafts)].to(dev),
+                                          torch.tensor([drafts], device=dev), torch.tensor([len(drafts)], device=dev),
+                                          torch.tensor([seq.noise_seed], device=dev),
+                                          torch.tensor([seq.num_computed_tokens - 1], device=dev))
+            tokens = emitted[0, : int(acc[0]) + 1].tolist()
         accepted = len(tokens) - 1
-        if accepted < len(drafts):
-            self.runner.rollback(batch, seq.state_slot, 1 + accepted)
+        self.runner.commit_accepted(batch, seq.state_slot, 1 + accepted)
         seq.num_computed_tokens += accepted
+        self.k_policy.observe_step([(len(drafts), accepted)])
         self.spec_stats.record(len(drafts), accepted)
         seq.spec_stats.record(len(drafts), accepted)
         return tokens
@@ -446,32 +528,50 @@ class LLMEngine:
         if p.logprobs is not None or p.bad_words:  # logprobs / bad words are applied on the sampling path
             return 0                                  # only, not to verified drafts: no speculation
         room = min(p.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens)
-        return max(0, min(self.args.num_speculative_tokens, room - 1))
+        return max(0, min(self._k_next, room - 1))
 
     def _draft_from(self, seq: Sequence, logits: torch.Tensor) -> int:
-        probs = target_distributions(self.sampler, logits[None], seq.params, seq.output_token_ids + seq.draft_tokens,
-                                     seq.prompt_token_ids, [], seq.eos_token_ids)[0]
+        """One draft from MTP logits, as the batched path drafts (glm5.engine.spec_batched): argmax, or the
+        request's counter stream over the temperature/top-k/top-p distribution (no penalties: any draft
+        distribution keeps verification exact), which is kept for the rejection test."""
         if seq.params.is_greedy:
-            token = int(torch.argmax(probs))
+            token = int(torch.argmax(logits))
         else:
-            token = draw(probs, self._generator(seq))
+            x = self.sampler.process_logits(logits[None], [neutral_params(seq.params)], output_token_ids=[[]])
+            probs = torch.softmax(x, dim=-1)[0]
+            pos = torch.tensor([seq.num_tokens + len(seq.draft_tokens)], device=probs.device)
+            token = int(race(probs[None], torch.tensor([seq.noise_seed], device=probs.device), pos, SALT_DRAFT)[0])
             seq.draft_probs = probs[None] if seq.draft_probs is None else torch.cat([seq.draft_probs, probs[None]])
         seq.draft_tokens.append(token)
         return token
 
     def _propose(self, sched, batch, hidden: torch.Tensor, valid_rows: dict[int, int], sampled: set[int]) -> None:
         """MTP catch-up over this step's accepted rows, then draft steps for requests that will decode."""
-        entries, rows, want = [], [], []
+        entries, rows, want, step_rows = [], [], [], []
         for ci, c in enumerate(sched.chunks):
             seq, v = c.seq, valid_rows[ci]
             # a finished request's rows are caught up only for its end-of-request snapshot (prefix caching)
             if seq.state_slot is None or (seq.is_finished and not self.kv.enabled):
                 continue
+            step_rows.append(v)
             lo = seq.num_computed_tokens - v
-            entries.append((seq, lo, seq.tokens(lo + 1, lo + v + 1)))
             start = batch.seqs[ci].start
-            rows.append(hidden[start:start + v])
+            own = hidden[start:start + v]
+            if seq.mtp_backlog is not None:  # rows batched steps held back (glm5.engine.spec_batched)
+                lo, own = seq.mtp_backlog.first_position, seq.mtp_backlog.take(own)
+                v = own.shape[0]
+                seq.mtp_backlog = None
+            entries.append((seq, lo, seq.tokens(lo + 1, lo + v + 1)))
+            rows.append(own)
             want.append(ci in sampled and not seq.is_finished and self._num_drafts(seq) > 0)
+        if not any(want):  # nobody drafts next step: decode rows can wait for the MTP layer (prompt chunks do not)
+            # a finished request is caught up now: its end-of-request snapshot holds the MTP layer's rows too
+            keep = [i for i, (r, v) in enumerate(zip(rows, step_rows))
+                    if r.shape[0] >= MAX_BACKLOG or v > 1 or entries[i][0].is_finished]
+            for i, (seq, lo, _) in enumerate(entries):
+                if i not in keep:  # graph outputs are overwritten by the next replay: keep a copy
+                    seq.mtp_backlog = MTPBacklog(lo, [rows[i].clone()])
+            entries, rows, want = [entries[i] for i in keep], [rows[i] for i in keep], [want[i] for i in keep]
         if not entries:
             return
         shared = {} if self.model_config.text.index_share_for_mtp_iteration else None

@@ -75,7 +75,8 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], cache_cfg: CacheConfig,
                  device: torch.device, dtype: torch.dtype, use_mtp: bool = False, index_fp8: bool = False,
-                 max_model_len: int | None = None, decode_path: str = "auto", encoder_cache_bytes: int = 64 * 2**20):
+                 max_model_len: int | None = None, decode_path: str = "auto", encoder_cache_bytes: int = 64 * 2**20,
+                 draft_vocab: torch.Tensor | None = None):
         if decode_path not in DECODE_PATHS:
             raise ValueError(f"decode_path={decode_path!r}: choose one of {', '.join(DECODE_PATHS)}")
         self.cfg, self.device, self.dtype = cfg, device, dtype
@@ -87,7 +88,7 @@ class ModelRunner:
                 raise MissingMTPWeights("speculative decoding needs an MTP layer, but the config declares "
                                         "num_nextn_predict_layers = 0; set num_speculative_tokens=0")
             layer = cfg.text.mtp_layer_ids[0]
-            self.mtp = MTPLayer(cfg, weights, layer, self.model.embed, self.model.lm_head)
+            self.mtp = MTPLayer(cfg, weights, layer, self.model.embed, self.model.lm_head, draft_vocab=draft_vocab)
             mla_layers.append(layer)
         self.cache = HybridCache(cfg.text, cache_cfg, device, dtype, mla_layers=mla_layers, index_fp8=index_fp8)
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
@@ -280,8 +281,10 @@ class ModelRunner:
         return batch, out, sample_idx
 
     # ------------------------------------------------------------------ speculative decoding
-    def rollback(self, batch: ForwardBatch, state_slot: int, valid_rows: int) -> None:
-        """Put back the KDA states and kpool tails of a verification chunk as of ``valid_rows`` rows."""
+    def commit_accepted(self, batch: ForwardBatch, state_slot: int, valid_rows: int) -> None:
+        """Bring the KDA states and kpool tail of a verification chunk (per-request path) to ``valid_rows`` rows:
+        the chunk left the recurrent state as before the step (see ``KDARecord``), so this runs even when every
+        draft was accepted."""
         for (layer, slot), rec in batch.records.items():
             if slot != state_slot:
                 continue

@@ -85,6 +85,10 @@ class Sequence:
     checkpoints: dict[int, str] = field(default_factory=dict)  # prefill positions where a snapshot is planned → kind
     # snapshots on this request's own path that its request-end snapshot supersedes (evicted first)
     superseded_snapshots: list[bytes] = field(default_factory=list)
+    # batched speculation: the seed of the request's counter-based random streams (glm5.engine.spec_sampling)
+    # and the target hidden rows the MTP layer has not seen yet (glm5.engine.spec_batched.MTPBacklog)
+    noise_seed: int = 0
+    mtp_backlog: object | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,19 +1,20 @@
-"""MTP speculative decoding: draft k tokens with the MTP layer, verify them in one target pass.
+"""MTP speculative decoding: acceptance counters and the per-request reference of verification.
 
 Per step and request: the target runs ``[last token, d1..dk]`` (k+1 rows); greedy requests accept
 the longest prefix of drafts equal to the target's argmax and add the target's next token;
 sampling requests use standard rejection sampling — accept ``d`` with ``min(1, p(d)/q(d))``,
 otherwise resample from ``norm(max(p − q, 0))``; if all drafts pass, sample a bonus token from the
-last row — so the output distribution is exactly the target's. Randomness comes from the request's
-own generator (seeded requests stay reproducible whatever else is in the batch).
+last row — so the output distribution is exactly the target's.
 
-Rollback (choice and cost): the verification rows record every KDA layer's state after each row
-(``kda_recurrent_states``: one ``heads × d × d`` fp32 state per verified row and layer, kept only
-for the step — 34 layers × (k+1) × 4 MiB per request on the real model) and the kpool tail
-before the step; after acceptance the state of the last accepted row is put back in the
-request's slot. MLA latent rows and pooled keys of rejected positions are simply written again
-later. Recomputation (re-running accepted rows) was rejected: it costs a second forward whenever
-a draft is rejected.
+:func:`rejection_sample` and :func:`greedy_verify` are that rule for one request, drawing from a
+``torch.Generator``: the reference the batched, on-device version (:mod:`glm5.engine.spec_sampling`,
+counter-based random streams) is checked against. The engine runs pure-decode steps through
+:mod:`glm5.engine.spec_batched` (verify, accept, commit, draft on the batched path and in CUDA
+graphs) and steps that mix verification with prefill through the per-request path, where each
+verification chunk keeps its rows' inputs (``glm5.layers.kda.KDARecord``) and the commit reruns the
+accepted rows from the unchanged state — no per-row state copies (docs/speculative.md compares the
+schemes by bytes). :func:`target_distributions` gives the processed target probabilities of a
+request's verification rows.
 
 Drafts come from the MTP layer: after each target step it "catches up" on the rows the target
 just accepted (row p sees token p+1 and the target hidden at p, and writes the MTP layer's own

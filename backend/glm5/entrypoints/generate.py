@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "other projections at load, none dequantizes (docs/fp8.md)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached prompt prefixes between the prompts of this run (default: on)")
+    p.add_argument("--speculative-policy", choices=("fixed", "adaptive"), default="fixed",
+                   help="fixed: always --num-speculative-tokens drafts; adaptive: k per step (docs/speculative.md)")
+    p.add_argument("--draft-vocab-size", type=int, default=0,
+                   help="draft over the N most frequent tokens of <model>/draft_vocab.json (0: full vocabulary)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
@@ -108,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
                                   block_size=args.block_size, num_cache_blocks=args.num_cache_blocks,
                                   num_speculative_tokens=args.num_speculative_tokens,
                                   quantization=args.quantization,
-                                  enable_prefix_caching=args.enable_prefix_caching))
+                                  enable_prefix_caching=args.enable_prefix_caching,
+                                  speculative_policy=args.speculative_policy, draft_vocab_size=args.draft_vocab_size))
     prompts, params = _prompts(args), _params(args)
     t0 = time.time()
     results: dict[str, dict] = {}

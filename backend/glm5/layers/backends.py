@@ -13,6 +13,8 @@ The choices (each set by ``GLM5_<NAME>_BACKEND`` or :func:`set_backends`):
 * ``fp8_linear``: linears stored in block-scaled fp8 - ``triton`` (:mod:`glm5_kernels.fp8_linear`: our fp8
   GEMV / small-M GEMM, ``torch._scaled_mm`` or a Triton w8a8 GEMM, chosen per shape) or ``torch`` (dequantise
   the weight on every call, :mod:`glm5_kernels.fp8_ref`).
+* ``spec_kda``: the KDA recurrences of batched speculative verification and its commit
+  (:mod:`glm5_kernels.kda_verify`, Triton) or their torch references.
 * ``sampling``: ``torch`` or FlashInfer's fused sampling for unseeded rows.
 
 ``auto`` picks the fast path when the tensors live on a CUDA device, the library imports and the
@@ -20,9 +22,10 @@ dtype/shape is one the kernels take, else the torch path (FlashInfer is never au
 :func:`decode_attn_backend`). An explicit choice
 that cannot run raises :class:`BackendUnavailable` naming the reason — never a silent fallback,
 because a silently slower (or differently rounded) path makes benchmark and oracle results lie.
-One documented exception inside the fla path: speculative-verification chunks that must record
-every row's KDA state run the reference recurrence (fla 0.6.0 cannot write per-row states outside
-the slot pool in place); they are a few rows per request.
+One documented exception inside the fla path: speculative-verification chunks of the per-request path
+(steps that mix verification with prefill) run the reference recurrence, because they must leave the
+state unwritten until the commit; they are a few rows per request. Verification on the batched path
+takes ``spec_kda``.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ MOE_CHOICES = ("auto", "torch", "triton")
 INDEX_CHOICES = ("auto", "torch", "triton")
 MHC_CHOICES = ("auto", "torch", "triton")
 FP8_LINEAR_CHOICES = ("auto", "torch", "triton")
+SPEC_KDA_CHOICES = ("auto", "torch", "triton")
 
 _overrides: dict[str, str] = {}
 
@@ -54,13 +58,14 @@ class BackendUnavailable(RuntimeError):
 
 def set_backends(kda: str | None = None, attn: str | None = None, decode_attn: str | None = None,
                  sampling: str | None = None, moe: str | None = None, index: str | None = None,
-                 mhc: str | None = None, fp8_linear: str | None = None) -> None:
+                 mhc: str | None = None, fp8_linear: str | None = None, spec_kda: str | None = None) -> None:
     """Override the environment for this process (``None`` leaves a setting unchanged)."""
     for name, value, choices in (("kda", kda, KDA_CHOICES), ("attn", attn, ATTN_CHOICES),
                                  ("decode_attn", decode_attn, DECODE_ATTN_CHOICES),
                                  ("sampling", sampling, SAMPLING_CHOICES), ("moe", moe, MOE_CHOICES),
                                  ("index", index, INDEX_CHOICES), ("mhc", mhc, MHC_CHOICES),
-                                 ("fp8_linear", fp8_linear, FP8_LINEAR_CHOICES)):
+                                 ("fp8_linear", fp8_linear, FP8_LINEAR_CHOICES),
+                                 ("spec_kda", spec_kda, SPEC_KDA_CHOICES)):
         if value is not None:
             _validate(name, value, choices)
             _overrides[name] = value
@@ -159,7 +164,7 @@ def _sm90_or_newer(device: torch.device) -> bool:
 
 def decode_attn_backend(device: torch.device, dtype: torch.dtype | None = None, latent_width: int | None = None) -> str:
     """``"triton"``, ``"flashinfer"`` or ``"torch"`` for the sparse NoPE MLA decode of the batched decode path
-    (speculative-verification rows take the per-request path).
+    (speculative-verification rows of pure-decode steps included: each row is one query).
 
     ``auto`` on CUDA is the Triton kernel (fp32 included, IEEE products), the torch reference on CPU.
     FlashInfer's FA3 MLA runs when asked and it can (imports, SM90+, bf16/fp16, a latent width FA3 takes,
@@ -215,6 +220,13 @@ def index_backend(device: torch.device, dtype: torch.dtype | None = None) -> str
     """``"triton"`` (kpool append/compress and index-score kernels) or ``"torch"`` (their references) for the
     indexer (batched decode and prefill scoring / pool completion)."""
     return _triton_or_torch("index", INDEX_CHOICES, device, dtype)
+
+
+def spec_kda_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """``"triton"`` (:mod:`glm5_kernels.kda_verify`: one program per request, head and value block walks the
+    verification rows with the state in registers) or ``"torch"`` (the references) for the KDA recurrences of
+    batched speculative verification and its commit."""
+    return _triton_or_torch("spec_kda", SPEC_KDA_CHOICES, device, dtype)
 
 
 def sampling_backend(device: torch.device) -> str:

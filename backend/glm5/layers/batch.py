@@ -36,9 +36,9 @@ class SeqChunk:
 
 @dataclass
 class DecodeMeta:
-    """Device tensors of a pure decode step (one token per request, no recording), row-aligned with
-    ``ForwardBatch.input_ids``. Everything a decode layer needs is a tensor here — no per-request
-    Python loop and no host sync — so the step can be captured in a CUDA graph; padding rows of a
+    """Device tensors of a batched decode step (one token per request, or a speculative step's verification
+    rows), row-aligned with ``ForwardBatch.input_ids``. Everything a decode layer needs is a tensor here — no
+    per-request Python loop and no host sync — so the step can be captured in a CUDA graph; padding rows of a
     graph bucket point at the cache's scratch block and slot."""
 
     state_slots: torch.Tensor    # int64 [N]
@@ -48,6 +48,15 @@ class DecodeMeta:
     # the step's planned FlashInfer sparse-MLA wrapper (glm5_kernels.flashinfer_mla), when that backend runs;
     # one plan serves every MLA layer because the selection sizes depend only on the positions
     flashinfer: Any = None
+    # speculative verification: every request has ``rows_per_seq`` consecutive rows (its last token and its
+    # drafts, positions in order); KDA layers then run the rows as one recurrence per request without writing
+    # the state, and every layer leaves what the commit needs in ``verify`` (glm5.layers.speculative)
+    rows_per_seq: int = 1
+    verify: Any = None
+    # index sharing across MTP draft steps (index_share_for_mtp_iteration): MLA layer -> [N, pools] index
+    # scores to reuse instead of scoring (``index_scores``), or a dict to fill with this step's (``scores_out``)
+    index_scores: dict | None = None
+    scores_out: dict | None = None
 
 
 @dataclass

@@ -150,6 +150,20 @@ class KPoolIndexer:
         return index_scores_ref(q, w, cache.pool_keys[layer][slots], None if scales is None else scales[slots],
                                 self.head_dim ** -0.5)
 
+    def commit_tail(self, layer: int, buffers, slots: torch.Tensor, ctx: torch.Tensor, n_valid: torch.Tensor, t: int,
+                    cache: HybridCache) -> None:
+        """After batched verification: each request's tail as of its first ``n_valid`` rows (positions
+        ``ctx .. ctx + n_valid - 1``), rebuilt from the tail before the step and the rows' raw keys. Tail row
+        ``j`` holds position ``P + j`` with ``P = (ctx + n_valid) // kpool * kpool``: from the old tail when that
+        is before ``ctx``, else from the rows; rows past the accepted length are never read."""
+        kp, n = self.kpool, slots.shape[0]
+        old = buffers.tail_before[layer][:n]
+        raw = buffers.index_raw[layer][: n * t].view(n, t, -1)
+        first = torch.div(ctx + n_valid, kp, rounding_mode="floor") * kp
+        rel = first.view(n, 1) + torch.arange(kp, device=slots.device) - ctx.view(n, 1)     # [n, kpool]
+        from_rows = raw.gather(1, rel.clamp(0, t - 1).unsqueeze(-1).expand(-1, -1, raw.shape[-1]))
+        cache.tail[layer].index_copy_(0, slots, torch.where((rel < 0).unsqueeze(-1), old, from_rows).to(old.dtype))
+
     # ------------------------------------------------------------------ batched decode
     def decode_select(self, x: torch.Tensor, q_resid: torch.Tensor, raw: torch.Tensor, positions: torch.Tensor,
                       meta: DecodeMeta,
@@ -159,7 +173,11 @@ class KPoolIndexer:
         visible pools and returns the latent rows each query attends to, ``[N, index_topk + kpool - 1]``
         int32 with the valid entries first and ``-1`` after, plus (Triton path) each row's count of valid
         entries, ``[N]`` int32. Dense rows (few enough complete pools) select every pool, so they get all
-        their tokens, as :meth:`visible` does. ``raw`` is :meth:`keys` of ``x``."""
+        their tokens, as :meth:`visible` does. ``raw`` is :meth:`keys` of ``x``.
+
+        ``meta.index_scores[layer]`` (MTP draft steps with index sharing): reuse these scores (a previous
+        step's, one row per request) instead of scoring; pools completed since then score ``-inf`` there, so
+        the selection is the earlier step's pools plus this row's own tail, as :meth:`visible` shares them."""
         triton_path = index_backend(x.device, x.dtype) == "triton"
         if triton_path:
             from glm5_kernels.indexer import indexer_scores, select_token_slots
@@ -171,16 +189,25 @@ class KPoolIndexer:
         kp, bs = self.kpool, cache.block_size
         pool_keys = cache.pool_keys[layer]
         scales = cache.pool_scales[layer] if cache.index_fp8 else None
+        n = x.shape[0]
+        if meta.verify is not None:  # verification rows: keep the tail as it was and the rows' keys for the commit
+            t = meta.rows_per_seq
+            slots = meta.state_slots.view(n // t, t)[:, 0]
+            meta.verify.tail_before[layer][: n // t].copy_(cache.tail[layer].index_select(0, slots))
+            meta.verify.index_raw[layer][:n].copy_(raw)
         kpool_decode_append(raw, positions, meta.state_slots, meta.block_tables, cache.tail[layer], self.ape,
                             pool_keys, scales, kp, bs)
-        n = x.shape[0]
         n_complete = torch.div(positions + 1, kp, rounding_mode="floor")
-        q = self.wq_b(q_resid).view(n, self.n_heads, self.head_dim)
-        w = self.w_heads(x).float() * self.n_heads ** -0.5
         row_seq = torch.arange(n, device=x.device, dtype=torch.int32)
-        max_pools = meta.block_tables.shape[1] * cache.pools_per_block
-        scores = indexer_scores(q, w, pool_keys, scales, meta.block_tables, row_seq, n_complete,
-                                cache.pools_per_block, self.head_dim ** -0.5, max_pools)
+        scores = meta.index_scores.get(layer) if meta.index_scores is not None else None
+        if scores is None:
+            q = self.wq_b(q_resid).view(n, self.n_heads, self.head_dim)
+            w = self.w_heads(x).float() * self.n_heads ** -0.5
+            max_pools = meta.block_tables.shape[1] * cache.pools_per_block
+            scores = indexer_scores(q, w, pool_keys, scales, meta.block_tables, row_seq, n_complete,
+                                    cache.pools_per_block, self.head_dim ** -0.5, max_pools)
+            if meta.scores_out is not None:
+                meta.scores_out[layer] = scores
         args = (scores, n_complete, positions, meta.block_tables, row_seq, self.n_select, kp, bs)
         if not triton_path:
             return select_token_slots(*args), None

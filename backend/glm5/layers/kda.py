@@ -20,31 +20,11 @@ from glm5.config import TextConfig
 from glm5.layers.backends import kda_backend
 from glm5.layers.batch import ForwardBatch
 from glm5.layers.linear import Linear
+from glm5_kernels.kda_verify_ref import kda_commit_recurrence_ref, kda_gate, kda_step, kda_verify_recurrence_ref
 from glm5_kernels.norms_ref import gated_rms_norm, l2_normalize
 
 CHUNK_SIZE = 64
 RECURRENT_MAX_TOKENS = 8  # decode and speculative verification rows use the plain recurrence
-
-
-def kda_gate(f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
-             head_dim: int) -> torch.Tensor:
-    """Forget gate in log space, [T, H, d] fp32, every entry < 0."""
-    g = (f.float() + dt_bias.float()).view(f.shape[0], -1, head_dim)
-    rate = torch.exp(a_log.float()).view(1, -1, 1)
-    if lower_bound is not None:
-        return lower_bound * torch.sigmoid(rate * g)
-    return -rate * torch.where(g > 20.0, g, torch.log1p(torch.exp(g)))
-
-
-def kda_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-             beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of the recurrence → (output, new state). Leading dims broadcast, so the same step serves
-    one request (q [H, d], state [H, dk, dv]) and a decode batch (q [N, H, d], state [N, H, dk, dv])."""
-    state = state * g.exp().unsqueeze(-1)
-    kv_mem = (state * k.unsqueeze(-1)).sum(dim=-2)
-    delta = (v - kv_mem) * beta.unsqueeze(-1)
-    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    return (state * q.unsqueeze(-1)).sum(dim=-2), state
 
 
 def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -56,30 +36,26 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     return out, state
 
 
-def kda_recurrent_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`kda_recurrent` that also returns the state after every token: ``[n, H, dk, dv]``."""
-    out = torch.empty_like(v)
-    states = []
-    for t in range(q.shape[0]):
-        o, state = kda_recurrent(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
-        out[t] = o[0]
-        states.append(state)
-    return out, torch.stack(states)
-
-
 @dataclass
 class KDARecord:
-    """What a recording (verification) chunk needs to roll a KDA layer back to ``v`` accepted rows:
-    conv state = ``conv_inputs[v : v + K - 1]``, recurrent state = ``states[v - 1]``."""
+    """What a recording (verification) chunk of the per-request path keeps to commit ``v`` accepted rows:
+    conv state = ``conv_inputs[v : v + K - 1]``; the recurrent state, which the chunk left as it was before
+    the step, advances by the first ``v`` rows of the normalised inputs (no per-row state copies)."""
 
     conv_inputs: torch.Tensor  # [K - 1 + n, 3D]: old conv state then this step's pre-conv inputs
-    states: torch.Tensor       # [n, H, dk, dv]
+    q: torch.Tensor            # [n, H, d] fp32, l2-normalised and scaled
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor         # [n, H]
 
     def restore(self, conv_state: torch.Tensor, rec_state: torch.Tensor, valid_rows: int) -> None:
         k1 = conv_state.shape[0]
         conv_state.copy_(self.conv_inputs[valid_rows:valid_rows + k1])
-        rec_state.copy_(self.states[valid_rows - 1])
+        if valid_rows > 0:
+            _, state = kda_recurrent(self.q[:valid_rows], self.k[:valid_rows], self.v[:valid_rows],
+                                     self.g[:valid_rows], self.beta[:valid_rows], rec_state)
+            rec_state.copy_(state)
 
 
 def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -147,7 +123,10 @@ class KDALayer:
         gate = self.g_b(g_a)
         conv_state, rec_state = cache.conv[self.layer], cache.recurrent[self.layer]
         if batch.decode is not None:
-            core = self._core_decode(mixed, f, b, batch.decode.state_slots, conv_state, rec_state)
+            if batch.decode.rows_per_seq > 1:
+                core = self._core_verify(mixed, f, b, batch.decode, conv_state, rec_state)
+            else:
+                core = self._core_decode(mixed, f, b, batch.decode.state_slots, conv_state, rec_state)
             y = gated_rms_norm(core.to(x.dtype), gate.view(-1, self.heads, self.head_dim), self.o_norm,
                                self.cfg.rms_norm_eps)
             return self.o_proj(y.reshape(x.shape[0], self.dim))
@@ -252,6 +231,64 @@ class KDALayer:
         rec_state.index_copy_(0, slots, state)
         return out
 
+    # ------------------------------------------------------------------ speculative verification (batched)
+    def _conv_rows(self, mixed: torch.Tensor, slots: torch.Tensor, conv_state: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal conv + SiLU of ``T`` consecutive rows per request (``mixed [n, T, 3D]``) from the requests'
+        conv states, which are not written. Returns (SiLU output ``[n, T, 3D]``, the window
+        ``[n, K-1+T, 3D]`` = conv state then the rows). The taps are summed in order, as :meth:`_conv_step`
+        sums them for one row."""
+        kconv, t = self.conv_w.shape[-1], mixed.shape[1]
+        window = torch.cat([conv_state.index_select(0, slots).to(mixed.dtype), mixed], dim=1)
+        w = self.conv_w.t().to(mixed.dtype)  # [K, 3D]
+        acc = window[:, :t] * w[0]
+        for j in range(1, kconv):
+            acc = acc + window[:, j:j + t] * w[j]
+        return F.silu(acc), window
+
+    def _spec_recurrence(self, commit: bool):
+        from glm5.layers.backends import spec_kda_backend
+        if spec_kda_backend(self.conv_w.device, self.conv_w.dtype) == "triton":
+            from glm5_kernels.kda_verify import kda_commit_recurrence, kda_verify_recurrence
+            return kda_commit_recurrence if commit else kda_verify_recurrence
+        return kda_commit_recurrence_ref if commit else kda_verify_recurrence_ref
+
+    def _core_verify(self, mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, meta, conv_state: torch.Tensor,
+                     rec_state: torch.Tensor) -> torch.Tensor:
+        """Verification rows (``meta.rows_per_seq`` per request, consecutive): one recurrence per request over
+        its rows from its state, which stays unchanged, as does the conv state; the rows' inputs go to
+        ``meta.verify`` for :meth:`commit_verification` (see glm5.layers.speculative). fp32 ``[rows, H, d]``."""
+        t, rows = meta.rows_per_seq, mixed.shape[0]
+        n = rows // t
+        meta.verify.check(n, t)
+        buf_mixed, buf_f, buf_b = (x[:rows] for x in meta.verify.kda[self.layer])
+        buf_mixed.copy_(mixed)
+        buf_f.copy_(f)
+        buf_b.copy_(b)
+        slots = meta.state_slots.view(n, t)[:, 0]
+        conv, _ = self._conv_rows(buf_mixed.view(n, t, -1), slots, conv_state)
+        q, k, v = conv.view(n, t, 3, self.heads, self.head_dim).unbind(2)
+        out = self._spec_recurrence(commit=False)(
+            q, k, v, buf_f.view(n, t, -1), buf_b.view(n, t, -1), rec_state, slots, self.a_log, self.dt_bias,
+            self.cfg.linear_lower_bound, self.head_dim ** -0.5)
+        return out.view(rows, self.heads, self.head_dim)
+
+    def commit_verification(self, buffers, slots: torch.Tensor, ctx: torch.Tensor, n_valid: torch.Tensor, t: int,
+                            cache: HybridCache) -> None:
+        """Advance each request's conv and recurrent state by its first ``n_valid`` verification rows."""
+        conv_state, rec_state = cache.conv[self.layer], cache.recurrent[self.layer]
+        n = slots.shape[0]
+        buf_mixed, buf_f, buf_b = (x[:n * t] for x in buffers.kda[self.layer])
+        conv, window = self._conv_rows(buf_mixed.view(n, t, -1), slots, conv_state)
+        q, k, v = conv.view(n, t, 3, self.heads, self.head_dim).unbind(2)
+        self._spec_recurrence(commit=True)(
+            q, k, v, buf_f.view(n, t, -1), buf_b.view(n, t, -1), rec_state, slots, n_valid, self.a_log,
+            self.dt_bias, self.cfg.linear_lower_bound, self.head_dim ** -0.5)
+        k1 = conv_state.shape[1]
+        idx = n_valid.view(n, 1) + torch.arange(k1, device=slots.device)   # the last K-1 inputs after v rows
+        idx = idx.unsqueeze(-1).expand(-1, -1, window.shape[-1])
+        conv_state.index_copy_(0, slots, window.gather(1, idx).to(conv_state.dtype))
+
     def _core_torch(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch,
                     conv_state: torch.Tensor, rec_state: torch.Tensor) -> torch.Tensor:
         """Reference path (CPU default): per request, recurrence for short runs, chunked WY form else."""
@@ -262,14 +299,14 @@ class KDALayer:
             q, k, v = conv[rows].float().view(s.num_tokens, 3, self.heads, self.head_dim).unbind(1)
             q = l2_normalize(q) * self.head_dim ** -0.5
             k = l2_normalize(k)
-            if s.record_states:
-                out, states = kda_recurrent_states(q, k, v, g[rows], beta[rows], rec_state[s.state_slot])
-                batch.records[(self.layer, s.state_slot)] = KDARecord(self._conv_inputs.pop(s.state_slot), states)
-                new_state = states[-1]
+            if s.record_states:  # the state stays as before the step until the commit (KDARecord)
+                out, _ = kda_recurrent(q, k, v, g[rows], beta[rows], rec_state[s.state_slot])
+                batch.records[(self.layer, s.state_slot)] = KDARecord(self._conv_inputs.pop(s.state_slot), q, k, v,
+                                                                      g[rows], beta[rows])
             else:
                 fn = kda_recurrent if s.num_tokens <= RECURRENT_MAX_TOKENS else kda_chunked
                 out, new_state = fn(q, k, v, g[rows], beta[rows], rec_state[s.state_slot])
-            rec_state[s.state_slot].copy_(new_state)
+                rec_state[s.state_slot].copy_(new_state)
             core[rows] = out
         return core
 

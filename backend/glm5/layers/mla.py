@@ -97,6 +97,12 @@ class MLALayer:
         out = self.w_uv(o_lat.to(x.dtype))
         return self.o_proj(out.reshape(x.shape[0], -1))
 
+    def commit_verification(self, buffers, slots: torch.Tensor, ctx: torch.Tensor, n_valid: torch.Tensor, t: int,
+                            cache: HybridCache) -> None:
+        """After batched verification (glm5.layers.speculative): only the kpool tail needs repair; latent rows
+        and pooled keys written by rejected rows are rewritten before any query reads them."""
+        self.indexer.commit_tail(self.layer, buffers, slots, ctx, n_valid, t, cache)
+
     def _softmax(self, scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         scores = scores.masked_fill(~mask.unsqueeze(0), torch.finfo(scores.dtype).min)
         return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)

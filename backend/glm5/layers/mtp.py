@@ -10,6 +10,11 @@ Row ``p`` combines the embedding of token ``p+1`` with the target's final hidden
 
 A plain pre-norm block: no mHC. Later draft steps feed ``h'`` back as the hidden (post-norm
 recycling) and, with ``index_share_for_mtp_iteration``, reuse the first step's pool selection.
+
+Reduced draft vocabulary (EAGLE-3's idea): with ``draft_vocab`` (token ids, most frequent first) the
+draft logits come from an LM head over those rows only — a copy of them, so a draft step reads
+``len(draft_vocab) / vocab`` of the head — and every other token gets ``-inf``. Only the drafts change
+(their acceptance may drop); verification uses the full head, so outputs stay exact.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ class MissingMTPWeights(ValueError):
 
 class MTPLayer:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], layer: int,
-                 embed: torch.Tensor, lm_head: torch.Tensor):
+                 embed: torch.Tensor, lm_head: Linear, draft_vocab: torch.Tensor | None = None):
         t = cfg.text
         p = f"layers.{layer}"
         if f"{p}.eh_proj.weight" not in weights:
@@ -44,6 +49,15 @@ class MTPLayer:
         self.layer, self.cfg = layer, cfg
         self.eps = t.rms_norm_eps
         self.embed, self.lm_head = embed, lm_head
+        self.vocab_size = lm_head.out_features
+        self.draft_ids: torch.Tensor | None = None
+        if draft_vocab is not None:
+            ids = draft_vocab.to(device=lm_head.weight.device, dtype=torch.int64)
+            if ids.dim() != 1 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+                raise ValueError(f"draft_vocab must be 1-D token ids in [0, {self.vocab_size}); got shape "
+                                 f"{tuple(ids.shape)}")
+            self.draft_ids = ids
+            self.draft_head = Linear(lm_head.weight.index_select(0, ids).contiguous())
         self.enorm = weights[f"{p}.enorm.weight"]
         self.hnorm = weights[f"{p}.hnorm.weight"]
         self.eh_proj = Linear.load(weights, f"{p}.eh_proj")
@@ -65,4 +79,9 @@ class MTPLayer:
         u = u + self.attn(rms_norm(u, self.in_norm, self.eps), batch, cache)
         u = u + self.mlp(rms_norm(u, self.post_norm, self.eps))
         h = rms_norm(u, self.head_norm, self.eps)
-        return self.lm_head(h[batch.logits_indices]).float(), h
+        rows = h[batch.logits_indices]
+        if self.draft_ids is None:
+            return self.lm_head(rows).float(), h
+        logits = torch.full((rows.shape[0], self.vocab_size), float("-inf"), device=h.device, dtype=torch.float32)
+        logits[:, self.draft_ids] = self.draft_head(rows).float()
+        return logits, h

@@ -1,0 +1,341 @@
+"""Speculative decoding on the batched, sync-free decode path (and in CUDA graphs).
+
+A step whose every request decodes one token (plus its drafts) runs as:
+
+1. **verify** — the target over ``T = k + 1`` rows per request, ``k`` the most drafts any request has (a
+   request with fewer has padding drafts it never accepts); graph bucket ``(batch, k)``;
+2. **accept** on the device for the whole batch (:mod:`glm5.engine.spec_sampling`): greedy prefix match or
+   rejection sampling with counter-based randomness; requests without drafts (e.g. logprobs) take the
+   ordinary sampler on their first row;
+3. **commit** the accepted prefix (:mod:`glm5.layers.speculative`: no per-row state copies);
+4. one host sync for the emitted tokens; the engine appends them (stop strings, max_tokens);
+5. **propose** — the MTP layer catches up on the accepted rows and drafts the next step's tokens
+   (``k_next − 1`` more one-row steps, the first step's index choice reused); one sync for the drafts.
+
+When the next step drafts nothing (the adaptive policy chose ``k = 0``) the MTP layer does not run: the
+target's hidden rows wait in the request's backlog (:class:`MTPBacklog`) and the next drafting step catches
+up on all of them in one pass — which costs about what one row does while the weights dominate — so a
+step without speculation costs what a plain decode step costs. A backlog longer than ``MAX_BACKLOG`` rows is
+caught up without drafting; a mixed (prefill) step prepends it in the per-request proposal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from glm5.engine.cuda_graph import DecodeAttentionPlanner, DecodeRows, DecodeStager, graph_buckets
+from glm5.engine.scheduler import SchedulerOutput
+from glm5.engine.sequence import Sequence
+from glm5.engine.spec_forwards import SpecForwards, SpecGraphs
+from glm5.engine.spec_sampling import SALT_DRAFT, accept_greedy, accept_sampled, race
+from glm5.layers.speculative import VerifyBuffers
+from glm5.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+MAX_BACKLOG = 64   # target hidden rows a request may hold back from the MTP layer
+
+
+@dataclass
+class MTPBacklog:
+    """Target hidden rows at positions ``first_position ..`` that the MTP layer has not processed yet."""
+
+    first_position: int
+    rows: list[torch.Tensor]
+
+    def __len__(self) -> int:
+        return sum(r.shape[0] for r in self.rows)
+
+    def take(self, more: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.cat(self.rows + ([more] if more is not None else []))
+
+
+@dataclass
+class VerifyResult:
+    """What a batched step produced, per scheduled chunk (in order)."""
+
+    tokens: list[list[int]]               # emitted tokens (accepted drafts, then the target's token)
+    logprobs: list[list[dict | None]]     # plain rows only
+    drafts: list[int]                     # drafts verified
+    accepted: list[int]                   # drafts accepted
+    first_positions: list[int]            # position of each request's first row (its last accepted token)
+    hidden: torch.Tensor                  # [n * rows_per_seq, H] target hidden rows (a copy)
+    rows_per_seq: int
+
+
+def neutral_params(params):
+    """The params without penalties / min_tokens: what a draft is sampled with (any draft distribution keeps
+    rejection sampling exact; the target side applies the penalties)."""
+    return dataclasses.replace(params, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
+                               min_tokens=0)
+
+
+class BatchedSpeculation:
+    """Runs speculative steps of pure-decode batches (module docstring) for an engine's model runner."""
+
+    def __init__(self, runner, sampler: Sampler, k_max: int, max_requests: int):
+        self.runner, self.sampler, self.k_max = runner, sampler, k_max
+        self.model, self.mtp, self.cache = runner.model, runner.mtp, runner.cache
+        text = runner.cfg.text
+        dev, dtype = runner.device, runner.dtype
+        self.max_requests = max_requests
+        # rows: verification needs k+1 per request, a catch-up up to a full backlog plus the step's rows
+        self.stager = DecodeStager(self.cache, max_requests * (MAX_BACKLOG + k_max + 1), runner.stager.max_blocks, dev)
+        self.buffers = VerifyBuffers.allocate(text, max_requests, k_max + 1, dev, dtype)
+        self.planner = DecodeAttentionPlanner(text, self.stager.max_batch, dtype, dev)
+        self.fwd: SpecForwards = SpecForwards(self.model, self.mtp, self.cache, self.stager, self.buffers,
+                                              self.planner, share_index=text.index_share_for_mtp_iteration)
+        self.buckets = graph_buckets(max_requests)
+        logger.info("batched speculation: up to %d requests x %d drafts, verify buffers %.1f MiB", max_requests, k_max,
+                    self.buffers.nbytes() / 2**20)
+
+    def capture_cuda_graphs(self, max_batch: int, pool=None) -> None:
+        graphs = SpecGraphs(self.model, self.mtp, self.cache, self.stager, self.buffers, self.planner,
+                            share_index=self.fwd.share_index, buckets=graph_buckets(min(max_batch, self.max_requests)),
+                            k_max=self.k_max, pool=pool)
+        graphs.capture()
+        self.fwd = graphs
+
+    def _bucket(self, n: int) -> int:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        return n
+
+    # ------------------------------------------------------------------ which steps
+    def accepts(self, sched: SchedulerOutput) -> bool:
+        """True when every chunk is one request's next token plus its drafts (no prefill, no placeholder)."""
+        if not sched.chunks or len(sched.chunks) > self.max_requests:
+            return False
+        for c in sched.chunks:
+            s = c.seq
+            if c.num_tokens != 1 + c.num_drafts or not c.samples or c.num_drafts > self.k_max:
+                return False
+            lo = s.num_computed_tokens
+            if s.mm is not None and (s.mm.positions is None or bool((s.mm.positions == lo).any())):
+                return False
+        return True
+
+    # ------------------------------------------------------------------ verify + accept + commit
+    def verify(self, sched: SchedulerOutput) -> VerifyResult:
+        chunks = sched.chunks
+        n = len(chunks)
+        k = max(c.num_drafts for c in chunks)
+        if k == 0:
+            return self._plain(sched)
+        t = k + 1
+        rows = DecodeRows([], [], [], [])
+        firsts = []
+        for c in chunks:
+            s, lo = c.seq, c.seq.num_computed_tokens
+            rows.tokens.extend(s.tokens(lo, lo + 1) + s.draft_tokens[: c.num_drafts] + [0] * (k - c.num_drafts))
+            rows.positions.extend(range(lo, lo + t))
+            rows.state_slots.extend([s.state_slot] * t)
+            rows.block_tables.extend([s.block_table] * t)
+            firsts.append(lo)
+        nb = self._bucket(n)
+        batch, out = self.fwd.verify(rows, t, nb)
+        logits = out.logits[: n * t].view(n, t, -1)
+        hidden = out.hidden[: n * t].clone()
+        emitted, accepted, lps = self._accept(chunks, logits, k)
+        n_valid = torch.zeros(nb, dtype=torch.int64, device=accepted.device)
+        n_valid[:n] = accepted + 1
+        self.fwd.commit(batch, n_valid)
+        host = torch.cat([emitted.flatten(), accepted]).tolist()  # the step's one sync
+        acc = host[n * t:]
+        tokens = [host[i * t: i * t + acc[i] + 1] for i in range(n)]
+        return VerifyResult(tokens=tokens, logprobs=lps, drafts=[c.num_drafts for c in chunks], accepted=acc,
+                            first_positions=firsts, hidden=hidden, rows_per_seq=t)
+
+    def _plain(self, sched: SchedulerOutput) -> VerifyResult:
+        """No request has drafts: the ordinary batched decode step (decode graphs) and sampler."""
+        rows = self.runner._decode_rows(sched)
+        _, out, _ = self.runner._execute_decode(sched, rows)
+        seqs = [c.seq for c in sched.chunks]
+        n = len(seqs)
+        result = self._sample_plain(out.logits[:n], seqs)
+        hidden = out.hidden[:n].clone()
+        tokens = result.token_ids.tolist()
+        lps = [[_logprob_dict(result.logprobs[i])] for i in range(n)]
+        return VerifyResult(tokens=[[x] for x in tokens], logprobs=lps, drafts=[0] * n, accepted=[0] * n,
+                            first_positions=[s.num_computed_tokens for s in seqs], hidden=hidden, rows_per_seq=1)
+
+    def _sample_plain(self, logits: torch.Tensor, seqs: list[Sequence]):
+        return self.sampler.sample(logits, [s.params for s in seqs], generators=[s.generator for s in seqs],
+                                   output_token_ids=[s.output_token_ids for s in seqs],
+                                   prompt_token_ids=[s.prompt_token_ids for s in seqs],
+                                   eos_token_ids=[s.eos_token_ids for s in seqs])
+
+    def _accept(self, chunks, logits: torch.Tensor, k: int):
+        """Emitted tokens ``[n, k+1]`` and accepted drafts ``[n]`` on the device, plus plain rows' logprobs."""
+        n, t, vocab = logits.shape
+        dev = logits.device
+        emitted = torch.zeros(n, t, dtype=torch.int64, device=dev)
+        accepted = torch.zeros(n, dtype=torch.int64, device=dev)
+        lps: list[list[dict | None]] = [[] for _ in range(n)]
+        plain = [i for i, c in enumerate(chunks) if c.num_drafts == 0]
+        if plain:  # no drafts (logprobs wanted, or no room): the ordinary sampler on the first row
+            idx = torch.tensor(plain, device=dev)
+            result = self._sample_plain(logits[idx, 0], [chunks[i].seq for i in plain])
+            emitted[idx, 0] = result.token_ids
+            for j, i in enumerate(plain):
+                lps[i] = [_logprob_dict(result.logprobs[j])]
+        spec = [i for i, c in enumerate(chunks) if c.num_drafts > 0]
+        if not spec:
+            return emitted, accepted, lps
+        seqs = [chunks[i].seq for i in spec]
+        nd = [chunks[i].num_drafts for i in spec]
+        drafts = [s.draft_tokens[:d] + [0] * (k - d) for s, d in zip(seqs, nd)]
+        params, hist, prompts, eos = [], [], [], []
+        for s, d in zip(seqs, drafts):
+            for j in range(t):
+                params.append(s.params)
+                hist.append(s.output_token_ids + d[:j])
+                prompts.append(s.prompt_token_ids)
+                eos.append(s.eos_token_ids)
+        sidx = torch.tensor(spec, device=dev)
+        x = self.sampler.process_logits(logits[sidx].reshape(-1, vocab), params, output_token_ids=hist,
+                                        prompt_token_ids=prompts, eos_token_ids=eos).view(len(spec), t, vocab)
+        drafts_t = torch.tensor(drafts, dtype=torch.int64, device=dev)
+        nd_t = torch.tensor(nd, dtype=torch.int64, device=dev)
+        greedy = [j for j, s in enumerate(seqs) if s.params.is_greedy]
+        sampled = [j for j, s in enumerate(seqs) if not s.params.is_greedy]
+        out_e = torch.zeros(len(spec), t, dtype=torch.int64, device=dev)
+        out_a = torch.zeros(len(spec), dtype=torch.int64, device=dev)
+        if greedy:
+            g = torch.tensor(greedy, device=dev)
+            e, a = accept_greedy(torch.argmax(x[g], dim=-1), drafts_t[g], nd_t[g])
+            out_e[g], out_a[g] = e, a
+        if sampled:
+            sj = torch.tensor(sampled, device=dev)
+            q = torch.zeros(len(sampled), k, vocab, dtype=torch.float32, device=dev)
+            for r, j in enumerate(sampled):
+                probs = seqs[j].draft_probs
+                q[r, : probs.shape[0]] = probs[:k]
+            seeds = torch.tensor([seqs[j].noise_seed for j in sampled], dtype=torch.int64, device=dev)
+            first = torch.tensor([seqs[j].num_computed_tokens for j in sampled], dtype=torch.int64, device=dev)
+            e, a = accept_sampled(torch.softmax(x[sj], dim=-1), q, drafts_t[sj], nd_t[sj], seeds, first)
+            out_e[sj], out_a[sj] = e, a
+        emitted[sidx], accepted[sidx] = out_e, out_a
+        return emitted, accepted, lps
+
+    # ------------------------------------------------------------------ MTP: catch-up and drafts
+    def propose(self, live: list[tuple[int, Sequence, int]], res: VerifyResult, ensure_blocks) -> None:
+        """``live``: ``(chunk index, request, drafts wanted next step)`` of every request still running.
+        Catches the MTP layer up on each one's accepted rows (and backlog) and sets ``draft_tokens`` /
+        ``draft_probs``; when nobody drafts, the rows go to the backlogs instead."""
+        t = res.rows_per_seq
+        entries = []   # (seq, first position, hidden rows, drafts wanted)
+        for i, seq, want in live:
+            rows_h = res.hidden[i * t: i * t + res.accepted[i] + 1]
+            first = res.first_positions[i]
+            if seq.mtp_backlog is not None:
+                first, rows_h = seq.mtp_backlog.first_position, seq.mtp_backlog.take(rows_h)
+                seq.mtp_backlog = None
+            entries.append((seq, first, rows_h, want))
+        if not any(w for *_, w in entries):
+            drain = []
+            for seq, first, rows_h, _ in entries:
+                if rows_h.shape[0] >= MAX_BACKLOG:
+                    drain.append((seq, first, rows_h, 0))
+                else:
+                    seq.mtp_backlog = MTPBacklog(first, [rows_h])
+            if drain:
+                self._catch_up(drain, drafting=False)
+            return
+        logits, hid, scores = self._catch_up(entries, drafting=True)
+        self._draft(entries, logits, hid, scores, ensure_blocks)
+
+    def _catch_up(self, entries, drafting: bool):
+        """MTP rows for every entry's pending positions, compacted and padded to ``bucket × rows``; returns the
+        last row's logits, recycled hidden and (index sharing) scores per entry."""
+        n = len(entries)
+        longest = max(h.shape[0] for _, _, h, _ in entries)
+        nb = self._bucket(n)
+        rows = DecodeRows([], [], [], [])
+        last = []
+        for seq, first, rows_h, _ in entries:
+            m = rows_h.shape[0]
+            rows.tokens.extend(seq.tokens(first + 1, first + m + 1))
+            rows.positions.extend(range(first, first + m))
+            rows.state_slots.extend([seq.state_slot] * m)
+            rows.block_tables.extend([seq.block_table] * m)
+            last.append(len(rows.tokens) - 1)
+        hidden = torch.cat([h for _, _, h, _ in entries])
+        logits_rows = last + [0] * (nb - n) if drafting else []
+        # graph shapes: whole requests of ``longest`` rows; a longer catch-up (a backlog) runs eagerly as is
+        padded = nb * longest if drafting and longest <= self.k_max + 1 else len(rows.tokens)
+        logits, h, scores = self.fwd.mtp_pass(rows, hidden, logits_rows, padded)
+        if not drafting:
+            return None
+        idx = torch.tensor(last, device=h.device)
+        return logits[:n], h[idx].clone(), None if scores is None else scores[idx].clone()
+
+    def _choose(self, seqs: list[Sequence], logits: torch.Tensor, positions: list[int]):
+        """Draft tokens ``[n]`` from MTP logits: argmax for greedy requests, a counter-stream race over the
+        processed distribution (kept as ``q``) for sampling ones. Returns (tokens, q rows or None per seq)."""
+        tokens = torch.argmax(logits, dim=-1)
+        probs: list[torch.Tensor | None] = [None] * len(seqs)
+        sampled = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
+        if sampled:
+            dev = logits.device
+            si = torch.tensor(sampled, device=dev)
+            x = self.sampler.process_logits(logits[si], [neutral_params(seqs[i].params) for i in sampled],
+                                            output_token_ids=[[] for _ in sampled])
+            q = torch.softmax(x, dim=-1)
+            seeds = torch.tensor([seqs[i].noise_seed for i in sampled], dtype=torch.int64, device=dev)
+            pos = torch.tensor([positions[i] for i in sampled], dtype=torch.int64, device=dev)
+            tokens[si] = race(q, seeds, pos, SALT_DRAFT)
+            for r, i in enumerate(sampled):
+                probs[i] = q[r]
+        return tokens, probs
+
+    def _draft(self, entries, logits: torch.Tensor, hid: torch.Tensor, scores, ensure_blocks) -> None:
+        seqs = [e[0] for e in entries]
+        want = [e[3] for e in entries]
+        n = len(seqs)
+        steps = max(want)
+        d_pos = [s.num_tokens for s in seqs]                     # position of draft 1
+        tok, q = self._choose(seqs, logits, d_pos)
+        drafts, probs = [tok], [q]
+        slots = torch.tensor([s.state_slot for s in seqs], device=hid.device)
+        tail = self.cache.tail[self.mtp.layer]
+        snapshot = tail.index_select(0, slots) if steps > 1 else None
+        nb = self._bucket(n)
+        if scores is not None:
+            self.fwd.scores_in[:n].copy_(scores)
+        for j in range(1, steps):
+            for i, s in enumerate(seqs):   # blocks for this row's position; without them the request stops here
+                if want[i] > j and not ensure_blocks(s, s.num_tokens + j - 1):
+                    want[i] = j
+            rows = DecodeRows([], [], [], [])
+            for s in seqs:
+                rows.tokens.append(0)
+                rows.positions.append(s.num_tokens - 2 + j)
+                rows.state_slots.append(s.state_slot)
+                rows.block_tables.append(s.block_table)
+            out, h, _ = self.fwd.mtp_pass(rows, hid, list(range(nb)), nb, draft=True, tokens=drafts[-1])
+            hid = h[:n].clone()
+            tok, q = self._choose(seqs, out[:n], [p + j for p in d_pos])
+            drafts.append(tok)
+            probs.append(q)
+        if snapshot is not None:  # draft rows sit past the accepted tokens: put the MTP tail back
+            tail.index_copy_(0, slots, snapshot)
+        host = torch.stack(drafts, dim=1).tolist()  # the proposal's one sync
+        for i, s in enumerate(seqs):
+            s.draft_tokens = host[i][: want[i]]
+            s.draft_probs = None if probs[0][i] is None or not want[i] else \
+                torch.stack([probs[j][i] for j in range(want[i])])
+
+
+def _logprob_dict(lp) -> dict | None:
+    if lp is None:
+        return None
+    return {"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank, "top": [list(t) for t in lp.top]}
+
+
+__all__ = ["BatchedSpeculation", "MAX_BACKLOG", "MTPBacklog", "VerifyResult", "neutral_params"]

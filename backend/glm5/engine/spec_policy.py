@@ -1,0 +1,269 @@
+"""Choosing how many tokens to draft per step: a cost model of a speculative round and the running
+acceptance rate.
+
+A round with ``k`` drafts costs one verification pass over ``k + 1`` rows per request, the MTP catch-up
+over the accepted rows and ``k − 1`` more MTP steps, and yields ``1 + a₁ + a₁a₂ + …`` tokens per request
+(``a_j`` = the rate at which draft ``j`` is accepted once draft ``j − 1`` was). On a 288-expert MoE the
+verification rows of a small batch touch up to ``(k + 1)×`` the routed experts of a plain step, and every
+draft step reads the LM head again, so at batch 1 a ``k = 3`` round moves several times a plain step's
+bytes and speculation can lose: :class:`AdaptiveK` picks, before each step, the ``k`` (``0`` included)
+with the most tokens per second.
+
+Round times come from a table the bench measures (``bench/spec_bench.py`` writes it,
+:meth:`SpecCostModel.load`), interpolated in the batch size; without one, from the bytes a round must move
+(:func:`round_bytes`) over an assumed bandwidth plus a fixed cost per forward pass. ``k = 0`` costs a
+plain step: the MTP layer then does not run (the target's hidden rows wait for the next drafting step, see
+:mod:`glm5.engine.spec_batched`), so turning speculation down costs nothing beyond the plain step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from glm5.config import ModelConfig, TextConfig
+
+logger = logging.getLogger(__name__)
+
+#: Byte-model defaults: the H200's measured device copy bandwidth (bench/results/results.json ceilings,
+#: ~4.3e12 B/s, rounded down for the gather-heavy decode kernels) and a CUDA-graph replay plus the host work
+#: around it per forward pass (the b1 decode step's non-kernel time in bench/results/step_anatomy.json).
+DEFAULT_BANDWIDTH = 4.0e12
+DEFAULT_PASS_OVERHEAD_S = 60e-6
+
+
+def touched_experts(rows: int, n_experts: int, top_k: int) -> float:
+    """Expected distinct experts ``rows`` tokens route to under uniform routing: ``E·(1 − (1 − k/E)^rows)``."""
+    if n_experts <= 0 or rows <= 0:
+        return 0.0
+    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** rows)
+
+
+@dataclass
+class WeightBytes:
+    """The byte sizes a step reads, split the way a decode step touches them."""
+
+    target_nonrouted: int   # every target weight but the routed experts, the embedding table and the LM head
+    per_expert: int         # one routed expert of one MoE layer (gate + up + down)
+    target_moe_layers: int
+    lm_head: int
+    mtp_nonrouted: int      # the MTP layer without its routed experts (its LM head is the target's)
+    mtp_moe: bool
+    n_experts: int
+    top_k: int
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, elem_bytes: int = 2) -> "WeightBytes":
+        from glm5.weights.names import expected_weight_shapes
+
+        t = cfg.text
+        shapes = expected_weight_shapes(cfg, include_mtp=bool(t.mtp_layer_ids))
+        mtp_prefixes = tuple(f"layers.{i}." for i in t.mtp_layer_ids)
+
+        def size(shape) -> int:
+            n = 1
+            for s in shape:
+                n *= s
+            return n * elem_bytes
+
+        routed = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
+        moe_ids = [i for i, kind in enumerate(t.mlp_kinds) if kind == "moe"]
+        sample = f"layers.{moe_ids[0]}." if moe_ids else None  # every MoE layer's experts have one shape
+        target, mtp, per_expert = 0, 0, 0
+        for name, shape in shapes.items():
+            if name in ("embed_tokens.weight", "lm_head.weight") or name.startswith("visual."):
+                continue
+            if name.endswith(routed):
+                if sample is not None and name.startswith(sample):
+                    per_expert += size(shape[1:])
+                continue
+            if name.startswith(mtp_prefixes):
+                mtp += size(shape)
+            else:
+                target += size(shape)
+        return cls(target, per_expert, len(moe_ids), size(shapes["lm_head.weight"]), mtp,
+                   bool(t.mtp_layer_ids) and t.mtp_mlp_kind() == "moe", t.n_routed_experts, t.num_experts_per_tok)
+
+
+def _attention_bytes(t: TextConfig, rows: int, ctx: int, mla_layers: int, elem: int) -> float:
+    selected = min(ctx + 1, t.index_topk + t.index_kpool - 1)
+    return mla_layers * rows * (selected * t.kv_lora_rank + (ctx + 1) // t.index_kpool * t.index_head_dim) * elem
+
+
+def round_bytes(cfg: ModelConfig, weights: WeightBytes, batch: int, k: int, ctx: int,
+                draft_vocab: int | None = None, touched_target: float | None = None,
+                touched_mtp: float | None = None, elem: int = 2) -> dict[str, float]:
+    """Bytes one speculative round with ``k`` drafts per request must move at ``batch`` requests of context
+    ``ctx`` (``k = 0``: a plain decode step), by part. ``touched_*``: measured distinct experts summed over the
+    MoE layers (per pass), instead of the uniform-routing expectation; ``draft_vocab``: rows of a reduced
+    draft LM head (``None``: the full vocabulary)."""
+    t = cfg.text
+    rows = batch * (k + 1)
+    state = t.linear_num_heads * t.linear_head_dim ** 2 * 4
+    d = t.linear_num_heads * t.linear_head_dim
+    conv = (t.linear_conv_kernel_dim - 1) * 3 * d * elem
+    if touched_target is None:
+        touched_target = weights.target_moe_layers * touched_experts(rows, weights.n_experts, weights.top_k)
+    parts = {
+        "target_weights": weights.target_nonrouted + weights.lm_head,
+        "target_experts": touched_target * weights.per_expert,
+        # plain: read + write the state; verification: read it, then the commit reads and writes it
+        "kda_state": len(t.kda_layer_ids) * batch * ((3 if k else 2) * state + 2 * conv),
+        "attention": _attention_bytes(t, rows, ctx, len(t.mla_layer_ids), elem),
+    }
+    if k:
+        head = weights.lm_head if draft_vocab is None else weights.lm_head * draft_vocab / t.vocab_size
+        if touched_mtp is None:
+            per_pass = [touched_experts(rows, weights.n_experts, weights.top_k)] + \
+                [touched_experts(batch, weights.n_experts, weights.top_k)] * (k - 1)
+            touched_mtp = sum(per_pass) if weights.mtp_moe else 0.0
+        parts["mtp_weights"] = k * weights.mtp_nonrouted
+        parts["mtp_experts"] = touched_mtp * weights.per_expert
+        parts["draft_head"] = k * head
+        parts["mtp_attention"] = _attention_bytes(t, rows + batch * (k - 1), ctx, 1, elem)
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def forward_passes(k: int) -> int:
+    """Graph replays (and host hand-offs) of a round: plain 1; else verify, commit, catch-up, k-1 drafts."""
+    return 1 if k == 0 else 2 + k
+
+
+@dataclass
+class SpecCostModel:
+    """Seconds of one round per (batch, k): measured points, else the byte model."""
+
+    cfg: ModelConfig
+    measured: dict[int, list[tuple[int, float]]] = field(default_factory=dict)   # k -> sorted (batch, seconds)
+    bandwidth: float = DEFAULT_BANDWIDTH
+    pass_overhead_s: float = DEFAULT_PASS_OVERHEAD_S
+    ctx: int = 1024
+    draft_vocab: int | None = None
+
+    def __post_init__(self) -> None:
+        self.weights = WeightBytes.from_config(self.cfg)
+
+    def modelled_s(self, batch: int, k: int) -> float:
+        b = round_bytes(self.cfg, self.weights, batch, k, self.ctx, self.draft_vocab)["total"]
+        return b / self.bandwidth + forward_passes(k) * self.pass_overhead_s
+
+    def round_s(self, batch: int, k: int) -> float:
+        pts = self.measured.get(k)
+        if not pts:
+            return self.modelled_s(batch, k)
+        xs = [p[0] for p in pts]
+        i = bisect.bisect_left(xs, batch)
+        if i < len(xs) and xs[i] == batch:
+            return pts[i][1]
+        if i == 0:
+            return pts[0][1] * self.modelled_s(batch, k) / self.modelled_s(xs[0], k)
+        if i == len(xs):
+            return pts[-1][1] * self.modelled_s(batch, k) / self.modelled_s(xs[-1], k)
+        (b0, t0), (b1, t1) = pts[i - 1], pts[i]
+        return t0 + (t1 - t0) * (batch - b0) / (b1 - b0)
+
+    @classmethod
+    def load(cls, path: str | Path, cfg: ModelConfig, **kw) -> "SpecCostModel":
+        """Read a table written by the bench: ``{"rounds": [{"batch": B, "k": k, "round_s": s}, ...]}``
+        (``k = 0`` rows are plain steps)."""
+        data = json.loads(Path(path).read_text())
+        rows = data.get("rounds")
+        if not isinstance(rows, list) or not rows:
+            raise ValueError(f"{path}: expected a JSON object with a non-empty 'rounds' list of "
+                             "{batch, k, round_s} (bench/spec_bench.py --cost-table writes one)")
+        measured: dict[int, list[tuple[int, float]]] = {}
+        for r in rows:
+            try:
+                measured.setdefault(int(r["k"]), []).append((int(r["batch"]), float(r["round_s"])))
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"{path}: bad round entry {r!r}: needs integer batch, k and a round_s") from e
+        return cls(cfg, {k: sorted(v) for k, v in measured.items()}, **kw)
+
+
+class AcceptanceTracker:
+    """Running conditional acceptance per draft position (exponentially weighted, prior ``prior``)."""
+
+    def __init__(self, k_max: int, decay: float = 0.98, prior: float = 0.5, prior_weight: float = 2.0):
+        self.k_max, self.decay, self.prior, self.prior_weight = k_max, decay, prior, prior_weight
+        self.proposed = [0.0] * k_max
+        self.accepted = [0.0] * k_max
+
+    def observe_step(self, results: list[tuple[int, int]]) -> None:
+        """One verification step: ``(drafts, accepted)`` per request."""
+        if not results:
+            return
+        self.proposed = [p * self.decay for p in self.proposed]
+        self.accepted = [a * self.decay for a in self.accepted]
+        for drafts, accepted in results:
+            for j in range(min(drafts, accepted + 1, self.k_max)):  # draft j is tried only if j-1 passed
+                self.proposed[j] += 1
+                self.accepted[j] += j < accepted
+
+    def rates(self) -> list[float]:
+        return [(a + self.prior * self.prior_weight) / (p + self.prior_weight)
+                for a, p in zip(self.accepted, self.proposed)]
+
+
+def expected_tokens(rates: list[float], k: int) -> float:
+    """Tokens a request emits per round with ``k`` drafts: ``1 + Σ_j Π_{i≤j} a_i``."""
+    total, run = 1.0, 1.0
+    for a in rates[:k]:
+        run *= a
+        total += run
+    return total
+
+
+class AdaptiveK:
+    """Per step: the ``k`` in ``0..k_max`` with the most tokens per second at the current batch size."""
+
+    def __init__(self, k_max: int, cost: SpecCostModel, probe_every: int = 16,
+                 tracker: AcceptanceTracker | None = None):
+        self.k_max, self.cost, self.probe_every = k_max, cost, probe_every
+        self.tracker = tracker or AcceptanceTracker(k_max)
+        self._steps_at_zero = 0
+
+    def throughput(self, batch: int, k: int) -> float:
+        """Tokens per second per request the model predicts for ``k`` drafts at ``batch`` requests."""
+        return expected_tokens(self.tracker.rates(), k) / self.cost.round_s(batch, k)
+
+    def best(self, batch: int) -> int:
+        return max(range(self.k_max + 1), key=lambda k: (self.throughput(batch, k), -k))
+
+    def choose(self, batch: int) -> int:
+        """The next step's k; while speculation is off, every ``probe_every``-th step drafts one token so the
+        acceptance estimate keeps following the traffic."""
+        if batch <= 0:
+            return 0
+        k = self.best(batch)
+        if k > 0:
+            self._steps_at_zero = 0
+            return k
+        self._steps_at_zero += 1
+        if self.probe_every and self._steps_at_zero % self.probe_every == 0:
+            return 1
+        return 0
+
+    def observe_step(self, results: list[tuple[int, int]]) -> None:
+        self.tracker.observe_step(results)
+
+
+class FixedK:
+    """Always ``k`` drafts (vLLM's behaviour; ``num_speculative_tokens`` with the fixed policy)."""
+
+    def __init__(self, k: int):
+        self.k_max = k
+        self.tracker = AcceptanceTracker(max(k, 1))
+
+    def choose(self, batch: int) -> int:
+        return self.k_max
+
+    def observe_step(self, results: list[tuple[int, int]]) -> None:
+        self.tracker.observe_step(results)
+
+
+__all__ = ["AcceptanceTracker", "AdaptiveK", "DEFAULT_BANDWIDTH", "DEFAULT_PASS_OVERHEAD_S", "FixedK",
+           "SpecCostModel", "WeightBytes", "expected_tokens", "forward_passes", "round_bytes", "touched_experts"]

@@ -1,0 +1,148 @@
+"""Speculative decoding on the GPU (run on the H200): CUDA-graph replay equals eager, greedy k = 3 equals k = 0,
+and the adaptive k is never slower than no speculation on the trained tiny checkpoint's own acceptance.
+
+The trained checkpoint comes from ``$GLM5_TRAINED_CKPT`` or is trained here; one whose MTP layer was left
+random (``train_report.json`` without ``mtp``, from before the MTP stage existed) gets its MTP layer trained
+on a copy (``glm5.tiny_mtp_training``), so the acceptance is real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from glm5 import trained_tiny_checkpoint as trained_tiny
+from glm5.engine import EngineArgs, LLMEngine
+from glm5.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    given = os.environ.get("GLM5_TRAINED_CKPT")
+    if not given:
+        return trained_tiny.train_tiny_checkpoint(tmp_path_factory.mktemp("spec_trained") / "ckpt", device="cuda")
+    rep = json.loads((Path(given) / trained_tiny.REPORT_FILE).read_text())
+    if rep.get("mtp"):
+        return Path(given)
+    from glm5.tiny_mtp_training import train_mtp_layer
+    copy = tmp_path_factory.mktemp("spec_trained") / "ckpt"
+    shutil.copytree(given, copy)
+    train_mtp_layer(copy, trained_tiny.load_transformers_model(copy, "cuda"), device="cuda")
+    return copy
+
+
+@pytest.fixture(scope="module")
+def prompts(ckpt) -> list[list[int]]:
+    vocab = int(json.loads((ckpt / "config.json").read_text())["text_config"]["vocab_size"])
+    return trained_tiny.agreement_prompts(vocab)
+
+
+def _engine(ckpt: Path, dtype: str = "float32", **kw) -> LLMEngine:
+    args = dict(model=str(ckpt), device="cuda", dtype=dtype, block_size=16, num_cache_blocks=512, max_num_seqs=32,
+                max_num_batched_tokens=1024, load_progress=False)
+    args.update(kw)
+    return LLMEngine(EngineArgs(**args))
+
+
+def _greedy(n: int = 32) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def test_greedy_k3_equals_k0_on_gpu(ckpt, prompts):
+    ref = [o.token_ids for o in _engine(ckpt).generate(prompts, _greedy())]
+    eng = _engine(ckpt, num_speculative_tokens=3)
+    assert eng.spec is not None and eng.runner.graphs is not None
+    out = [o.token_ids for o in eng.generate(prompts, _greedy())]
+    st = eng.spec_stats.to_dict()
+    print("k=3 on the GPU:", st)
+    assert out == ref
+    assert st["mean_accepted_length"] > 1.5  # the trained MTP layer's drafts pass
+
+
+def test_speculative_graph_replay_equals_eager(ckpt, prompts):
+    """Same steps with and without CUDA graphs: tokens, drafts and acceptance identical (greedy and seeded
+    sampling), in bf16 (the serving dtype)."""
+    params = [_greedy(24) if i % 2 else SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=24,
+                                                        ignore_eos=True) for i in range(len(prompts))]
+    runs = {}
+    for eager in (False, True):
+        eng = _engine(ckpt, "bfloat16", num_speculative_tokens=3, enforce_eager=eager)
+        assert (eng.runner.graphs is None) == eager
+        assert (type(eng.spec.fwd).__name__ == "SpecGraphs") != eager
+        runs[eager] = ([o.token_ids for o in eng.generate(prompts, params)], eng.spec_stats.to_dict())
+    assert runs[False][0] == runs[True][0]
+    assert runs[False][1] == runs[True][1]
+
+
+def _decode_tok_s(eng: LLMEngine, prompts: list[list[int]], n: int) -> float:
+    """Generated tokens per second of the decode phase (prefill steps excluded from the timed window)."""
+    for i, p in enumerate(prompts):
+        eng.add_request(f"t{i}", p, _greedy(n))
+    while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
+        eng.step()
+    before = eng.generation_tokens_total
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while eng.has_unfinished():
+        eng.step()
+    torch.cuda.synchronize()
+    return (eng.generation_tokens_total - before) / (time.perf_counter() - t0)
+
+
+def _round_times(ckpt: Path, batch: int, prompts: list[list[int]]) -> dict[int, float]:
+    """Median engine step time at a forced k (0..3) and ``batch`` requests: the cost table the policy reads."""
+    from glm5.engine.spec_policy import FixedK
+
+    eng = _engine(ckpt, "bfloat16", num_speculative_tokens=3, max_num_seqs=batch)
+    for i in range(batch):
+        eng.add_request(f"c{i}", prompts[i % len(prompts)], _greedy(200))
+    while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
+        eng.step()
+    out = {}
+    for k in range(4):
+        eng.k_policy = FixedK(k)
+        for _ in range(3):
+            eng.step()
+        times = []
+        for _ in range(9):
+            t0 = time.perf_counter()
+            eng.step()
+            times.append(time.perf_counter() - t0)
+        out[k] = sorted(times)[len(times) // 2]
+    return out
+
+
+def test_adaptive_k_never_below_k0_tok_s(ckpt, prompts, tmp_path):
+    """Per batch size: round times measured at each k go into a cost table; the adaptive engine reading it,
+    on the corpus prompts (the checkpoint's own acceptance), decodes at least as fast as k = 0 (5 % timing
+    noise allowed)."""
+    corpus = prompts[:10]
+    rows, result = [], {}
+    for b in (1, 8, 32):
+        times = _round_times(ckpt, b, corpus)
+        rows += [{"batch": b, "k": k, "round_s": t} for k, t in times.items()]
+        result[b] = {"round_s": times}
+    table = tmp_path / "cost.json"
+    table.write_text(json.dumps({"rounds": rows}))
+    for b in (1, 8, 32):
+        batch = [corpus[i % len(corpus)] for i in range(b)]
+        plain = _decode_tok_s(_engine(ckpt, "bfloat16", max_num_seqs=b), batch, 48)
+        eng = _engine(ckpt, "bfloat16", max_num_seqs=b, num_speculative_tokens=3, speculative_policy="adaptive",
+                      speculative_cost_table=str(table))
+        adaptive = _decode_tok_s(eng, batch, 48)
+        result[b].update(plain_tok_s=plain, adaptive_tok_s=adaptive, stats=eng.spec_stats.to_dict())
+        print(f"batch {b}: k=0 {plain:.0f} tok/s, adaptive {adaptive:.0f} tok/s, rounds {result[b]['round_s']}")
+        assert adaptive >= 0.95 * plain, result[b]
+    out = os.environ.get("GLM5_DIAG_OUT")
+    if out:
+        Path(out, "spec_adaptive.json").write_text(json.dumps(result, indent=1, default=str))

@@ -1,0 +1,130 @@
+"""The KDA verify / commit recurrences of batched speculative decoding (glm5_kernels.kda_verify) against their
+torch references: on the CPU through the Triton interpreter at a small shape, compiled for sm90 at the real
+shape, and on the GPU at the real shape (``gpu`` marker). The references themselves are checked against the
+plain token-by-token recurrence."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from glm5_kernels.kda_verify_ref import (kda_commit_recurrence_ref, kda_gate, kda_step,
+                                         kda_verify_recurrence_ref)
+from glm5_kernels.norms_ref import l2_normalize
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _inputs(n=3, t=4, h=2, d=16, slots=6, seed=0, dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = torch.randn(n, t, 3, h, d, generator=g).unbind(2)
+    f = torch.randn(n, t, h * d, generator=g)
+    b = torch.randn(n, t, h, generator=g)
+    a_log = torch.randn(h, generator=g) * 0.3
+    dt = torch.randn(h * d, generator=g) * 0.3
+    pool = torch.randn(slots, h, d, d, generator=g) * 0.1
+    to = dict(device=device)
+    return ([x.to(dtype=dtype, **to) for x in (q, k, v, f, b)], a_log.to(**to), dt.to(**to), pool.to(**to))
+
+
+def _plain(q, k, v, f, b, state, a_log, dt, lb, rows):
+    """One request's rows through the decode step, one at a time."""
+    d = q.shape[-1]
+    outs = []
+    for t in range(rows):
+        qt = l2_normalize(q[t].float()) * d ** -0.5
+        kt = l2_normalize(k[t].float())
+        o, state = kda_step(state, qt, kt, v[t].float(), kda_gate(f[t], a_log, dt, lb, d), torch.sigmoid(b[t]).float())
+        outs.append(o)
+    return torch.stack(outs) if outs else None, state
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_references_equal_the_plain_recurrence(lower_bound):
+    (q, k, v, f, b), a_log, dt, pool = _inputs()
+    slots = torch.tensor([5, 0, 2])
+    before = pool.clone()
+    out = kda_verify_recurrence_ref(q, k, v, f, b, pool, slots, a_log, dt, lower_bound, 16 ** -0.5)
+    assert torch.equal(pool, before)  # verify never writes the state
+    n_valid = torch.tensor([0, 4, 2])
+    kda_commit_recurrence_ref(q, k, v, f, b, pool, slots, n_valid, a_log, dt, lower_bound, 16 ** -0.5)
+    for i, s in enumerate(slots.tolist()):
+        want_out, _ = _plain(q[i], k[i], v[i], f[i], b[i], before[s], a_log, dt, lower_bound, 4)
+        assert torch.allclose(out[i], want_out, atol=1e-6)
+        _, want_state = _plain(q[i], k[i], v[i], f[i], b[i], before[s], a_log, dt, lower_bound, int(n_valid[i]))
+        assert torch.allclose(pool[s], want_state, atol=1e-6), (i, int(n_valid[i]))
+    untouched = [j for j in range(pool.shape[0]) if j not in slots.tolist()]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_kda_verify_kernels_interpreter_cpu():
+    """Both launches through the Triton interpreter (fp32, small shape, bounded and softplus gates); a
+    subprocess so that TRITON_INTERPRET is set before triton is imported."""
+    import triton  # noqa: F401
+    code = textwrap.dedent("""
+        import torch, sys
+        sys.path.insert(0, %r)
+        from test_kernels_kda_verify import _inputs
+        from glm5_kernels.kda_verify import kda_commit_recurrence, kda_verify_recurrence
+        from glm5_kernels.kda_verify_ref import kda_commit_recurrence_ref, kda_verify_recurrence_ref
+        (q, k, v, f, b), a_log, dt, pool = _inputs(n=3, t=4, h=2, d=32)
+        # q, k, v as the layer hands them: strided views of one conv output
+        conv = torch.stack([q, k, v], dim=2).reshape(3, 4, -1)
+        q, k, v = conv.view(3, 4, 3, 2, 32).unbind(2)
+        slots, nv = torch.tensor([4, 0, 2]), torch.tensor([0, 4, 2])
+        for lb in (-5.0, None):
+            ref = kda_verify_recurrence_ref(q, k, v, f, b, pool, slots, a_log, dt, lb, 0.17)
+            got = kda_verify_recurrence(q, k, v, f, b, pool, slots, a_log, dt, lb, 0.17)
+            assert (got - ref).abs().max().item() < 1e-5, (got - ref).abs().max()
+            p1, p2 = pool.clone(), pool.clone()
+            kda_commit_recurrence_ref(q, k, v, f, b, p1, slots, nv, a_log, dt, lb, 0.17)
+            kda_commit_recurrence(q, k, v, f, b, p2, slots, nv, a_log, dt, lb, 0.17)
+            assert (p1 - p2).abs().max().item() < 1e-5, (p1 - p2).abs().max()
+            assert torch.equal(p2[4], pool[4]) and not torch.equal(p2[0], pool[0])
+        print("ok")
+    """ % str(ROOT / "tests"))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "kernels"), str(ROOT / "backend"), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("commit,bounded,dtype", [(False, True, "bf16"), (True, True, "bf16"), (False, False, "fp32"),
+                                                  (True, True, "fp32")])
+def test_kda_verify_kernel_compiles_for_sm90(commit, bounded, dtype):
+    pytest.importorskip("triton")
+    from test_kernels_compile import _compile
+
+    from glm5_kernels.kda_verify import _kda_spec_kernel
+    ptrs = {name: dtype for name in ("q_ptr", "k_ptr", "v_ptr", "f_ptr", "b_ptr")}
+    ptrs.update(a_log_ptr="fp32", dt_ptr="fp32", state_ptr="fp32", slot_ptr="i64", nvalid_ptr="i32", o_ptr="fp32")
+    _compile(_kda_spec_kernel, ptrs, dict(H=64, D=128, BV=32, BOUNDED=bounded, WRITE_OUT=not commit, COMMIT=commit),
+             floats=("lower_bound", "scale"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kda_verify_kernels_match_reference_on_gpu(dtype):
+    """Real shape (64 heads x 128), 32 requests x 4 rows, strided q/k/v views as the layer passes them."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from glm5_kernels.kda_verify import kda_commit_recurrence, kda_verify_recurrence
+    n, t, h, d = 32, 4, 64, 128
+    (q, k, v, f, b), a_log, dt, pool = _inputs(n=n, t=t, h=h, d=d, slots=40, seed=3, dtype=dtype, device="cuda")
+    conv = torch.stack([q, k, v], dim=2).reshape(n, t, -1)
+    q, k, v = conv.view(n, t, 3, h, d).unbind(2)
+    slots = torch.randperm(40, device="cuda")[:n]
+    nv = torch.randint(0, t + 1, (n,), device="cuda")
+    ref = kda_verify_recurrence_ref(q, k, v, f, b, pool, slots, a_log, dt, -5.0, d ** -0.5)
+    got = kda_verify_recurrence(q, k, v, f, b, pool, slots, a_log, dt, -5.0, d ** -0.5)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+    p1, p2 = pool.clone(), pool.clone()
+    kda_commit_recurrence_ref(q, k, v, f, b, p1, slots, nv, a_log, dt, -5.0, d ** -0.5)
+    kda_commit_recurrence(q, k, v, f, b, p2, slots, nv, a_log, dt, -5.0, d ** -0.5)
+    assert ((p1 - p2).norm() / p1.norm()).item() < 1e-5

@@ -1,0 +1,234 @@
+"""Speculative decoding on the batched, sync-free path (the one CUDA graphs capture), on the CPU.
+
+* greedy with k = 1, 2, 3 gives k = 0's tokens, and transformers' — with drafts forced to every acceptance
+  length (the tiny checkpoint's MTP layer is random, so its own drafts are almost never accepted);
+* the commit after verification leaves exactly the cache a plain decode of the accepted tokens leaves:
+  KDA conv and recurrent states, kpool tails (pool boundaries crossed by accepted and by rejected rows);
+* the batched MTP proposal drafts what the per-request one drafts;
+* seeded sampling is reproducible across batch compositions and orders;
+* the rollback scheme's memory at the real shape fits the budget for batch 64 with k = 3.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm5.config import ModelConfig
+from glm5.engine.spec_batched import BatchedSpeculation
+from glm5.layers.speculative import kda_state_bytes, per_row_state_bytes, verify_buffer_bytes
+from glm5.sampling_params import SamplingParams
+from oracle import engine, greedy, hf_greedy, make_pair, random_prompt
+
+VOCAB = 600
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    # kpool 4, topk 16: positions past 18 select sparsely; 8 layers (5 KDA, 3 MLA), 1 MTP layer
+    return make_pair(tmp_path_factory.mktemp("specb"), seed=31)
+
+
+def _force_drafts(monkeypatch, ref: dict[str, list[int]], pattern):
+    """After every proposal, replace each request's drafts by its reference continuation with the first
+    ``pattern(request, step)`` drafts right and the next one wrong (so that many are accepted)."""
+    orig = BatchedSpeculation.propose
+    calls = {"n": 0}
+
+    def propose(self, live, res, ensure_blocks):
+        orig(self, live, res, ensure_blocks)
+        calls["n"] += 1
+        for _, seq, want in live:
+            cont = ref[seq.request_id][len(seq.output_token_ids):]
+            right = min(pattern(seq.request_id, calls["n"]), want, len(cont))
+            drafts = cont[:right] + [(t + 1) % VOCAB for t in cont[right:want]]
+            seq.draft_tokens = drafts[:want]
+    monkeypatch.setattr(BatchedSpeculation, "propose", propose)
+    return calls
+
+
+def test_greedy_k123_equals_k0_and_transformers_at_every_acceptance_length(pair, monkeypatch):
+    ckpt, hf = pair
+    prompts = [random_prompt(n, VOCAB, seed=500 + n) for n in (1, 6, 19, 22, 41)]
+    n_new = 14
+    ref = [o.token_ids for o in engine(ckpt, decode_path="batched").generate(prompts, greedy(n_new))]
+    for p, r in zip(prompts[1::2], ref[1::2]):
+        assert hf_greedy(hf, p, n_new) == r
+    for k in (1, 2, 3):
+        eng = engine(ckpt, decode_path="batched", num_speculative_tokens=k)
+        assert eng.spec is not None
+        by_id = {f"gen-{i}": r for i, r in enumerate(ref)}  # generate() names requests gen-0, gen-1, ...
+        calls = _force_drafts(monkeypatch, by_id, lambda rid, step: (int(rid.split("-")[1]) + step) % (k + 1))
+        out = [o.token_ids for o in eng.generate(prompts, greedy(n_new))]
+        assert out == ref, f"k={k}"
+        stats = eng.spec_stats
+        assert calls["n"] > 0 and stats.steps > 0
+        assert 0 < sum(stats.accepted) < sum(stats.proposed), stats.to_dict()  # full, partial and no acceptance
+        assert eng.blocks.num_used == 0 and eng.slots.num_free == eng.slots.capacity
+        monkeypatch.undo()
+
+
+def _state(eng, seq) -> dict[str, torch.Tensor]:
+    c, s = eng.runner.cache, seq.state_slot
+    out = {f"conv{i}": c.conv[i][s].clone() for i in c.conv}
+    out |= {f"rec{i}": c.recurrent[i][s].clone() for i in c.recurrent}
+    kp = c.kpool
+    fill = seq.num_computed_tokens % kp  # tail rows beyond the pool's fill are never read
+    out |= {f"tail{i}": c.tail[i][s][:fill].clone() for i in eng.model_config.text.mla_layer_ids}
+    return out
+
+
+@pytest.mark.parametrize("prompt_len", [21, 30])
+def test_commit_equals_plain_decode_of_the_accepted_tokens(pair, prompt_len):
+    """One verification step with a chosen number of right drafts: tokens, and every KDA state and kpool tail
+    afterwards, equal those of decoding the accepted tokens one by one (pool boundaries inside the rows)."""
+    ckpt, _ = pair
+    k = 3
+    prompts = [random_prompt(prompt_len, VOCAB, seed=9), random_prompt(prompt_len + 2, VOCAB, seed=10)]
+    ref_eng = engine(ckpt, decode_path="batched")
+    ref = [o.token_ids for o in ref_eng.generate(prompts, greedy(8))]
+    for accepted in range(k + 1):
+        eng = engine(ckpt, decode_path="batched", num_speculative_tokens=k)
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, greedy(8))
+        eng.step()  # prefill (per-request path) + first drafts
+        seqs = [eng.scheduler.find(f"r{i}") for i in range(2)]
+        for i, s in enumerate(seqs):  # request 1 accepts one fewer (one more rejected row)
+            a = max(accepted - i, 0)
+            cont = ref[i][1:]
+            s.draft_tokens = cont[:a] + [(t + 1) % VOCAB for t in cont[a:k]]
+        outs = {o.request_id: o.token_ids for o in eng.step()}
+        assert eng.spec_stats.steps == 2
+        for i, s in enumerate(seqs):
+            a = max(accepted - i, 0)
+            assert outs[f"r{i}"] == ref[i][1: a + 2], (accepted, i)
+            plain = engine(ckpt, decode_path="batched")
+            plain.add_request(f"r{i}", prompts[i], greedy(8))
+            other = plain.scheduler.waiting[0]
+            while other.num_computed_tokens < s.num_computed_tokens:
+                plain.step()
+            assert other.num_computed_tokens == s.num_computed_tokens
+            got, want = _state(eng, s), _state(plain, other)
+            for name in want:
+                err = (got[name] - want[name]).abs().max().item() if want[name].numel() else 0.0
+                assert torch.allclose(got[name], want[name], atol=2e-5, rtol=1e-4), (accepted, i, name, err)
+
+
+def test_batched_proposal_drafts_what_the_per_request_path_drafts(pair, monkeypatch):
+    ckpt, _ = pair
+    prompts = [random_prompt(n, VOCAB, seed=70 + n) for n in (3, 33, 45)]
+    seen: dict[str, dict[str, list]] = {}
+    from glm5.engine import llm_engine
+
+    def recorder(path):
+        def record(self, *a, **kw):
+            out = orig_step(self, *a, **kw)
+            for seq in list(self.scheduler.running):
+                seen[path].setdefault(seq.request_id, []).append((seq.num_computed_tokens, list(seq.draft_tokens)))
+            return out
+        return record
+    orig_step = llm_engine.LLMEngine.step
+    for path in ("batched", "per_request"):
+        seen[path] = {}
+        monkeypatch.setattr(llm_engine.LLMEngine, "step", recorder(path))
+        engine(ckpt, decode_path=path, num_speculative_tokens=3).generate(prompts, greedy(10))
+        monkeypatch.undo()
+    assert seen["batched"] and seen["batched"] == seen["per_request"]
+
+
+def test_seeded_sampling_reproducible_across_batch_compositions(pair, monkeypatch):
+    ckpt, _ = pair
+    prompts = [random_prompt(n, VOCAB, seed=300 + n) for n in (4, 20, 35, 9)]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=40 + i, max_tokens=12, ignore_eos=True)
+              for i in range(len(prompts))]
+    # drafts from the model's own proposal (distributions q included); some are accepted at this temperature
+    alone = [engine(ckpt, decode_path="batched", num_speculative_tokens=2).generate([p], [q])[0].token_ids
+             for p, q in zip(prompts[:2], params[:2])]
+    eng = engine(ckpt, decode_path="batched", num_speculative_tokens=2)
+    together = [o.token_ids for o in eng.generate(prompts, params)]
+    eng2 = engine(ckpt, decode_path="batched", num_speculative_tokens=2, max_num_seqs=2)
+    reordered = [o.token_ids for o in eng2.generate(prompts[::-1], params[::-1])][::-1]
+    assert together[:2] == alone and reordered == together
+    assert eng.spec_stats.steps > 0
+    # another seed gives other tokens (the streams do follow the seed)
+    other = SamplingParams(temperature=0.8, top_p=0.9, seed=999, max_tokens=12, ignore_eos=True)
+    assert engine(ckpt, decode_path="batched", num_speculative_tokens=2).generate([prompts[0]], [other])[0].token_ids \
+        != alone[0]
+
+
+def test_rollback_memory_fits_batch64_k3_at_the_real_shape(real_config_path):
+    """The verify buffers (this scheme) at GLM-5.3-Flash's shape for 64 requests with k = 3 stay under 10 % of
+    the KDA state those requests hold anyway; keeping every verified row's state would not fit."""
+    cfg = ModelConfig.from_pretrained(str(real_config_path)).text
+    budget = 0.10 * kda_state_bytes(cfg, 64)
+    ours = verify_buffer_bytes(cfg, 64, 3)
+    assert ours <= budget, (ours / 2**20, budget / 2**20)
+    assert per_row_state_bytes(cfg, 64, 3) > 10 * budget  # 34 layers x 4 rows x 4 MiB per request
+    # per request: (3D + D + H) per KDA layer and row + 2 index dims per MLA layer and row, bf16; plus the tails
+    d = 64 * 128
+    per_request = (34 * (4 * d + 64) + 11 * 256) * 4 * 2 + 11 * 4 * 256 * 2
+    assert verify_buffer_bytes(cfg, 1, 3) == per_request
+    assert abs(verify_buffer_bytes(cfg, 1, 3) / 2**20 - 8.5) < 0.2  # ~8.5 MiB per request
+
+
+class _ReplayByRerun:
+    """Stands in for a CUDA graph on the CPU: replay re-runs the captured function and writes its results into
+    the tensors capture returned — what a replay does — so a pass that read anything but the fixed input
+    buffers, or handed out anything but the fixed outputs, gives different tokens than eager."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        _copy_into(self.out, self.fn())
+
+
+def _copy_into(dst, src):
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for d, s in zip(dst, src):
+            _copy_into(d, s)
+    elif dst is not None and hasattr(dst, "__dataclass_fields__"):
+        for name in dst.__dataclass_fields__:
+            _copy_into(getattr(dst, name), getattr(src, name))
+
+
+def test_graph_shaped_replay_equals_eager_on_cpu(pair, monkeypatch):
+    """The captured-graph dispatch of speculative steps (glm5.engine.spec_forwards.SpecGraphs) with replays
+    simulated by re-running the captured passes: same tokens and acceptance as the eager passes."""
+    import contextlib
+
+    from glm5.engine import spec_forwards
+
+    class _Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    def capture(self, key, fn, stream):
+        out = fn()
+        self.graphs[key] = (_ReplayByRerun(fn, out), out)
+    monkeypatch.setattr(spec_forwards.SpecGraphs, "_capture", capture)
+    ckpt, _ = pair
+    prompts = [random_prompt(n, VOCAB, seed=900 + n) for n in (2, 23, 37)]
+    ref = [o.token_ids for o in engine(ckpt, decode_path="batched").generate(prompts, greedy(12))]
+    by_id = {f"gen-{i}": r for i, r in enumerate(ref)}
+    replays = []
+    orig = _ReplayByRerun.replay
+    monkeypatch.setattr(_ReplayByRerun, "replay", lambda self: (replays.append(1), orig(self)))
+    _force_drafts(monkeypatch, by_id, lambda rid, step: (int(rid.split("-")[1]) + step) % 4)
+    results = {}
+    for graphs in (False, True):
+        eng = engine(ckpt, decode_path="batched", num_speculative_tokens=3, max_num_seqs=4)
+        if graphs:
+            eng.spec.capture_cuda_graphs(4)
+            assert {k[0] for k in eng.spec.fwd.graphs} == {"verify", "commit", "catchup", "draft"}
+        replays.clear()
+        results[graphs] = ([o.token_ids for o in eng.generate(prompts, greedy(12))], eng.spec_stats.to_dict())
+        assert bool(replays) == graphs
+    assert results[True] == results[False] and results[True][0] == ref
