@@ -19,9 +19,14 @@ from triton.compiler import ASTSource  # noqa: E402
 SM90 = GPUTarget("cuda", 90, 32)
 
 
-def _compile(fn, ptrs: dict[str, str], constexprs: dict, floats: tuple[str, ...] = (), i64: tuple[str, ...] = ()):
+SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on the H200
+
+
+def _compile(fn, ptrs: dict[str, str], constexprs: dict, floats: tuple[str, ...] = (), i64: tuple[str, ...] = (),
+             **options):
     """Compile ``fn`` with pointer element types ``ptrs`` (name → triton type), scalars i32 unless named in
-    ``floats`` (fp32) or ``i64``, and the given constexpr values. Returns the compiled kernel."""
+    ``floats`` (fp32) or ``i64``, and the given constexpr values; ``options``: num_warps / num_stages.
+    Returns the compiled kernel, whose shared memory must fit the H200."""
     sig = {}
     for p in fn.params:
         if p.is_constexpr:
@@ -34,7 +39,9 @@ def _compile(fn, ptrs: dict[str, str], constexprs: dict, floats: tuple[str, ...]
             sig[p.name] = "fp32" if p.name in floats else "i64" if p.name in i64 else "i32"
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
     assert not missing, f"{fn.__name__}: constexpr values missing for {missing}"
-    return triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=SM90)
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=SM90, options=options or None)
+    assert kernel.metadata.shared <= SMEM_LIMIT, f"{fn.__name__}: {kernel.metadata.shared} B of shared memory"
+    return kernel
 
 
 @pytest.mark.parametrize("has_cnt", [False, True])
@@ -62,6 +69,17 @@ def test_sparse_mla_kernel_compiles(dtype, has_cnt):
                                             m_ptr="fp32", l_ptr="fp32"),
              dict(H=64, R=512, BLOCK_H=16, BLOCK_K=32, SPLITS=8, IEEE=dtype == "fp32", HAS_CNT=has_cnt),
              floats=("scale",))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_sparse_mla_prefill_kernel_compiles(dtype):
+    """The default launch config of each dtype at the real shape (64 heads, 512-wide latent)."""
+    import torch
+    from glm5_kernels.sparse_mla_prefill import DEFAULT_CONFIGS, _sparse_mla_prefill_kernel
+    cfg = DEFAULT_CONFIGS[torch.bfloat16 if dtype == "bf16" else torch.float32]
+    _compile(_sparse_mla_prefill_kernel, dict(q_ptr=dtype, lat_ptr=dtype, idx_ptr="i32", cnt_ptr="i32", o_ptr=dtype),
+             dict(H=64, R=512, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, IEEE=dtype == "fp32", UPCAST=False),
+             floats=("qk_scale",), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 @pytest.mark.parametrize("dtype,precision,block_t", [("bf16", "tf32x3", 64), ("bf16", "tf32x3", 16),

@@ -174,8 +174,7 @@ class KDALayer:
                 and all(s.num_tokens == 1 and not s.record_states for s in batch.seqs)):
             # GPU decode: one vectorised step for the whole batch (rows are in request order); the CPU
             # keeps the per-request conv1d below so its rounding stays that of the reference
-            slots = torch.tensor([s.state_slot for s in batch.seqs], device=mixed.device)
-            return self._conv_step(mixed, slots, conv_state)
+            return self._conv_step(mixed, batch.seq_tensors(mixed.device).state_slots, conv_state)
         out = torch.empty_like(mixed)
         for s in batch.seqs:
             rows = slice(s.start, s.end)
@@ -187,24 +186,26 @@ class KDALayer:
                                         groups=seq_in.shape[1])[0].t())
         return out
 
-    def _conv_fla(self, mixed: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor, cu: torch.Tensor,
-                  slots: torch.Tensor) -> torch.Tensor:
+    def _conv_fla(self, mixed: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor) -> torch.Tensor:
         """:meth:`_conv` through fla's varlen Triton causal conv (SiLU fused, fp32 accumulation): cuDNN's
         depthwise conv1d took ~1 ms per layer for a 4K chunk. fla reads each request's history from an
         ``[N, 3D, K]`` initial state whose last ``K-1`` columns are the cached inputs, oldest first;
-        the cached states are then updated exactly as :meth:`_conv` does. ``cu``: the requests' cumulative
-        row offsets, ``slots``: their state slots (device tensors the caller also hands to the KDA kernels)."""
+        the cached states are then updated exactly as :meth:`_conv` does. The row offsets, slots and fla's
+        chunk list come from :meth:`ForwardBatch.seq_tensors` (built from host lengths: fla would otherwise
+        derive the chunk list from the device offsets, a host sync per call)."""
         if len(batch.seqs) == mixed.shape[0] and all(s.num_tokens == 1 for s in batch.seqs):
             return self._conv(mixed, batch, conv_state)
         from fla.modules.causal_conv1d import causal_conv1d
 
         kconv = self.conv_w.shape[-1]
         dev = mixed.device
-        history = conv_state.index_select(0, slots).to(mixed.dtype)                        # [N, K-1, 3D]
+        meta = batch.seq_tensors(dev)
+        history = conv_state.index_select(0, meta.state_slots).to(mixed.dtype)             # [N, K-1, 3D]
         init = torch.zeros(len(batch.seqs), mixed.shape[1], kconv, device=dev, dtype=mixed.dtype)
         init[:, :, 1:] = history.transpose(1, 2)
         out, _ = causal_conv1d(mixed.unsqueeze(0), weight=self.conv_w.to(mixed.dtype), initial_state=init,
-                               activation="silu", cu_seqlens=cu)
+                               activation="silu", cu_seqlens=meta.cu_seqlens,
+                               chunk_indices=meta.conv_chunk_indices)
         for i, s in enumerate(batch.seqs):
             if s.num_tokens >= kconv - 1:
                 conv_state[s.state_slot].copy_(mixed[s.end - (kconv - 1): s.end])
@@ -284,30 +285,32 @@ class KDALayer:
         and compute the q/k l2 norms, :func:`kda_gate` and the β sigmoid inside the kernels (same
         formulas and eps): at an 8K prefill the torch versions of those were ~20 fp32 passes over
         ``[T, H·d]`` per layer. ``safe_gate`` (fla's M=16 tensor-core path for gates bounded below)
-        is taken when the config bounds the gate in fla's supported range.
+        is taken when the config bounds the gate in fla's supported range. No host sync: the offsets and
+        slots are :meth:`ForwardBatch.seq_tensors` and ``chunk_kda`` builds its chunk list on the device
+        (``use_graph``: a fixed-size list from the shapes, sentinel rows past the real chunks).
         """
         from fla.ops.kda import chunk_kda
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
         n_tok, dev = mixed.shape[0], mixed.device
-        lens = [s.num_tokens for s in batch.seqs]
-        cu = torch.tensor([0] + lens, device=dev).cumsum(0)
-        slot_t = torch.tensor([s.state_slot for s in batch.seqs], device=dev)
-        conv = self._conv_fla(mixed, batch, conv_state, cu, slot_t)
+        meta = batch.seq_tensors(dev)
+        cu, slot_t = meta.cu_seqlens, meta.state_slots
+        conv = self._conv_fla(mixed, batch, conv_state)
         q, k, v = (t.contiguous().unsqueeze(0) for t in conv.view(n_tok, 3, self.heads, self.head_dim).unbind(1))
         f4 = f.view(1, n_tok, self.heads, self.head_dim)
         b3 = b.contiguous().unsqueeze(0)
         lower = self.cfg.linear_lower_bound
         gate = dict(A_log=self.a_log_flat, dt_bias=self.dt_bias_flat, lower_bound=lower, scale=self.head_dim ** -0.5,
                     use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
-        if max(lens) <= RECURRENT_MAX_TOKENS:
+        if meta.max_len <= RECURRENT_MAX_TOKENS:
             # every step of a request writes its (single) slot: [N, T_max] indices all equal to the slot
-            idx = slot_t.to(torch.int32).unsqueeze(1).expand(-1, max(lens)).contiguous()
+            idx = slot_t.to(torch.int32).unsqueeze(1).expand(-1, meta.max_len).contiguous()
             out, _ = fused_recurrent_kda_fwd(q, k, v, f4, b3, initial_state=rec_state, inplace_final_state=True,
                                              cu_seqlens=cu, ssm_state_indices=idx, out=torch.empty_like(v), **gate)
         else:
             safe = lower is not None and -5.0 <= lower < 0.0
             out, final = chunk_kda(q, k, v, f4.contiguous(), b3, initial_state=rec_state[slot_t].contiguous(),
-                                   output_final_state=True, cu_seqlens=cu, safe_gate=safe, **gate)
+                                   output_final_state=True, cu_seqlens=cu, safe_gate=safe, use_graph=True,
+                                   max_num_seqs=len(batch.seqs), **gate)
             rec_state[slot_t] = final.to(rec_state.dtype)
         return out[0]
