@@ -17,10 +17,12 @@ import torch.nn.functional as F
 
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import TextConfig
-from glm5.layers.backends import kda_backend
+from glm5.layers.backends import fuse_backend, kda_backend
 from glm5.layers.batch import ForwardBatch
+from glm5.layers.elementwise import gated_rms_norm
 from glm5.layers.linear import Linear
-from glm5_kernels.norms_ref import gated_rms_norm, l2_normalize
+from glm5_kernels.kda_decode_ref import kda_conv_step_ref
+from glm5_kernels.norms_ref import l2_normalize
 
 CHUNK_SIZE = 64
 RECURRENT_MAX_TOKENS = 8  # decode and speculative verification rows use the plain recurrence
@@ -215,10 +217,23 @@ class KDALayer:
 
     def _conv_step(self, mixed: torch.Tensor, slots: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
         """One causal-conv step for a batch of single-token rows (row i ↔ state slot ``slots[i]``), updating
-        the conv states; SiLU output ``[N, 3D]``."""
-        window = torch.cat([conv_state.index_select(0, slots).to(mixed.dtype), mixed.unsqueeze(1)], dim=1)  # [N, K, 3D]
-        conv_state.index_copy_(0, slots, window[:, 1:].to(conv_state.dtype))
-        return F.silu((window * self.conv_w.t().to(mixed.dtype).unsqueeze(0)).sum(dim=1))
+        the conv states; SiLU output ``[N, 3D]`` (:func:`glm5_kernels.kda_decode_ref.kda_conv_step_ref`)."""
+        return kda_conv_step_ref(mixed, conv_state, slots, self.conv_w)
+
+    def _qkv_decode(self, mixed: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, conv_state: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv step of a decode batch → (q, k, v ``[N, H, d]``, β logits ``[N, H]``). The fused kernel
+        (:func:`glm5_kernels.kda_decode.kda_conv_step`, one launch) writes q, k, v and β contiguous, as fla's
+        recurrent kernel reads them; the torch path returns views of the reference step's output."""
+        n = mixed.shape[0]
+        if fuse_backend(mixed.device, mixed.dtype) == "triton":
+            from glm5_kernels.kda_decode import kda_conv_step
+            qkv, beta = kda_conv_step(mixed, conv_state, slots, self.conv_w, parts=3, extra=b)
+            q, k, v = (t.view(n, self.heads, self.head_dim) for t in qkv.unbind(0))
+            return q, k, v, beta
+        conv = self._conv_step(mixed, slots, conv_state)  # [N, 3D]
+        q, k, v = conv.view(n, 3, self.heads, self.head_dim).unbind(1)
+        return q, k, v, b
 
     def _core_decode(self, mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
                      conv_state: torch.Tensor, rec_state: torch.Tensor) -> torch.Tensor:
@@ -229,9 +244,8 @@ class KDALayer:
         the l2 norms, the gate and the β sigmoid inside the kernel (same formulas and eps as
         :func:`kda_gate` / ``l2_normalize``: ~20 fewer launches per layer); the torch step is the same
         recurrence vectorised over requests."""
-        conv = self._conv_step(mixed, slots, conv_state)  # [N, 3D]
+        q, k, v, b = self._qkv_decode(mixed, b, slots, conv_state)
         n = mixed.shape[0]
-        q, k, v = conv.view(n, 3, self.heads, self.head_dim).unbind(1)
         scale = self.head_dim ** -0.5
         if kda_backend(mixed.device, mixed.dtype) == "fla":
             from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd

@@ -21,9 +21,9 @@ from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import TextConfig
 from glm5.layers.backends import attn_backend, decode_attn_backend
 from glm5.layers.batch import ForwardBatch, SeqChunk
+from glm5.layers.elementwise import rms_norm
 from glm5.layers.indexer import KPoolIndexer
 from glm5.layers.linear import Linear
-from glm5_kernels.norms_ref import rms_norm
 
 ABSORB_MAX_TOKENS = 8
 
@@ -131,7 +131,7 @@ class MLALayer:
         backend = decode_attn_backend(x.device, x.dtype, self.rank)
         if backend == "triton":
             from glm5_kernels.sparse_mla_decode import sparse_mla_decode
-            o_lat = sparse_mla_decode(q_lat, lat_cache, idx, self.scale, counts=counts)
+            o_lat = sparse_mla_decode(q_lat, lat_cache, idx, self.scale, counts=counts, out_dtype=x.dtype)
         elif backend == "flashinfer":
             if meta.flashinfer is None:
                 raise RuntimeError("decode_attn_backend is flashinfer but the step was not planned: the model "
