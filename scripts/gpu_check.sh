@@ -7,7 +7,8 @@
 #            the per-layer bf16 diagnostic -> OUTDIR/bf16_layer_errors.json
 #   bench    bench/bench.py -> OUTDIR/bench/ (results.json, profile_*.txt, bench.log, stdout.log), rendered
 #            to OUTDIR/bench/RESULTS.md by bench/render_results.py (docs/benchmarks.md: how to record it)
-#   kernels  bench/kernel_bench.py and, when flashinfer imports, bench/flashinfer_bench.py -> OUTDIR/kernels/
+#   kernels  bench/kernel_bench.py, bench/kernel_check.py (-> OUTDIR/kernels/check/) and, when flashinfer
+#            imports, bench/flashinfer_bench.py -> OUTDIR/kernels/
 #   all      the three in that order; OUTDIR/device.txt always records the GPU, driver and versions
 # Exit status: non-zero when a stage fails (the later stages still run).
 #
@@ -24,7 +25,7 @@
 #   --profile-prefill; e.g. --quick --skip-hf), TESTS_TIMEOUT / BENCH_TIMEOUT / KERNELS_TIMEOUT in seconds
 #   (defaults 1200 / 900 / 300).
 set -uo pipefail
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 
 STAGE=${1:-all}
 case "$STAGE" in tests|bench|kernels|all) ;; *) echo "unknown stage '$STAGE': use tests, bench, kernels or all" >&2; exit 2;; esac
@@ -124,6 +125,9 @@ run_kernels() {
   timeout "${KERNELS_TIMEOUT:-300}" "$PY" bench/kernel_bench.py "$OUT/kernels/sparse_mla.json" > "$OUT/kernels/kernel_bench.log" 2>&1 \
     && timeout "${KERNELS_TIMEOUT:-300}" "$PY" bench/kernel_bench.py --small "$OUT/kernels/decode_kernels.json" >> "$OUT/kernels/kernel_bench.log" 2>&1
   local rc=$?
+  # the prefill / decode-fusion kernels against their references, and the b1 step with the fusions off and on
+  timeout "${KERNELS_TIMEOUT:-300}" "$PY" bench/kernel_check.py "$OUT/kernels/check" > "$OUT/kernels/kernel_check.log" 2>&1 \
+    || rc=1
   if [ $rc -eq 0 ] && "$PY" -c "import flashinfer" >/dev/null 2>&1; then
     timeout "${KERNELS_TIMEOUT:-300}" "$PY" bench/flashinfer_bench.py "$OUT/kernels/flashinfer_mla_kernels.json" \
       > "$OUT/kernels/flashinfer_bench.log" 2>&1

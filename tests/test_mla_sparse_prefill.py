@@ -18,7 +18,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
