@@ -69,10 +69,10 @@ def check_sparse_prefill(rows: list, quick: bool) -> None:
     ref = sparse_mla_prefill_ref(q[sub].double(), lat.double(), idx[sub], counts[sub], 0.0625, rows_per_chunk=8)
     err = ((got[sub].double() - ref).norm() / ref.norm()).item()
     configs = [PrefillConfig()] if quick else [PrefillConfig(), PrefillConfig(32, 64, 8, 2), PrefillConfig(32, 32, 8, 3),
-                                               PrefillConfig(16, 64, 4, 2), PrefillConfig(64, 32, 8, 1)]
+                                               PrefillConfig(16, 64, 4, 2), PrefillConfig(64, 32, 8, 2, r_split=2)]
     sweep = {}
     for cfg in configs:
-        key = f"h{cfg.block_h}_k{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}"
+        key = f"h{cfg.block_h}_k{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}_r{cfg.r_split}"
         try:
             sweep[key] = eager_us(lambda: sparse_mla_prefill(q, lat, idx, counts, 0.0625, config=cfg))
         except Exception as e:  # out of resources for that tile

@@ -78,7 +78,8 @@ def test_sparse_mla_prefill_kernel_compiles(dtype):
     from glm5_kernels.sparse_mla_prefill import DEFAULT_CONFIGS, _sparse_mla_prefill_kernel
     cfg = DEFAULT_CONFIGS[torch.bfloat16 if dtype == "bf16" else torch.float32]
     _compile(_sparse_mla_prefill_kernel, dict(q_ptr=dtype, lat_ptr=dtype, idx_ptr="i32", cnt_ptr="i32", o_ptr=dtype),
-             dict(H=64, R=512, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, IEEE=dtype == "fp32", UPCAST=False),
+             dict(H=64, R=512, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, R_SPLIT=cfg.r_split, IEEE=dtype == "fp32",
+                  UPCAST=False),
              floats=("qk_scale",), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 

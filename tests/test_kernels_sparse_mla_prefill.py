@@ -46,7 +46,8 @@ def test_sparse_mla_prefill_matches_reference_interpreter():
             counts = torch.tensor([1, 5, 37, 20, 16, 17, 33], dtype=torch.int32)
             idx[3, 4] = -1                                                       # a hole inside row 3's prefix
             ref = sparse_mla_prefill_ref(q.double(), lat.double(), idx, counts, 0.3)
-            for cfg in (PrefillConfig(block_h=16, block_k=16, num_warps=4), PrefillConfig(block_h=4, block_k=8)):
+            for cfg in (PrefillConfig(block_h=16, block_k=16, num_warps=4), PrefillConfig(block_h=4, block_k=8),
+                        PrefillConfig(block_h=16, block_k=8, r_split=2)):
                 got = sparse_mla_prefill(q, lat, idx, counts, 0.3, config=cfg)
                 assert got.dtype == dtype and got.shape == (n, h, r)
                 err = ((got.double() - ref).norm() / ref.norm()).item()

@@ -22,8 +22,10 @@ Why absorbed and per-row index lists (numbers for 64 heads, d_qk = d_v = 256, R 
 ``W_UK``/``W_UV``. 32K prompt in 4K chunks: 604 M pairs (39.6 TFLOP) + 4.9 TFLOP expansion dense, 65 M
 pairs (8.5 TFLOP) + 1.1 TFLOP absorbed. docs/gpu.md has the table.
 
-Grid ``(head blocks, queries)``: the head blocks of one query run next to each other, so a gathered latent
-tile is read from L2 by the second one; neighbouring queries of one request share most of their rows too.
+Grid ``(head blocks, queries, output parts)``: the head blocks of one query run next to each other, so a
+gathered latent tile is read from L2 by the second one; neighbouring queries of one request share most of
+their rows too. ``r_split = 2`` computes the scores over the full width but accumulates only half the output
+columns per program (scores twice, but 64 heads per program fit the registers and the tensor-core tiles).
 Each program loops over its query's valid prefix only (``counts``), with an online softmax in fp32, and writes
 the normalised output in the output tensor's dtype. Sync-free: every shape comes from the arguments.
 """
@@ -49,6 +51,7 @@ class PrefillConfig:
     block_k: int = 32
     num_warps: int = 8
     num_stages: int = 2
+    r_split: int = 1          # 2: each program writes half the output columns (64 heads fit its registers)
 
 
 # bf16: 32 heads × 512 fp32 accumulator in 8 warps stays under 255 registers without spills on sm90;
@@ -61,32 +64,43 @@ DEFAULT_CONFIGS = {torch.bfloat16: PrefillConfig(), torch.float16: PrefillConfig
 def _sparse_mla_prefill_kernel(q_ptr, lat_ptr, idx_ptr, cnt_ptr, o_ptr, qk_scale,
                                stride_qn, stride_qh, stride_lat, stride_in, stride_on, stride_oh,
                                H: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                               IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                               R_SPLIT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """Program (head block, query, output part): scores over the full width R (in R_SPLIT slices), output
+    columns ``part * R/R_SPLIT ..`` only (R_SPLIT = 2 halves the accumulator so 64 heads fit one program)."""
     hb = tl.program_id(0)
     n = tl.program_id(1).to(tl.int64)
+    part = tl.program_id(2)
+    RP: tl.constexpr = R // R_SPLIT
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_r = tl.arange(0, R)
+    offs_p = tl.arange(0, RP)
     hmask = offs_h < H
-    q = tl.load(q_ptr + n * stride_qn + offs_h[:, None] * stride_qh + offs_r[None, :], mask=hmask[:, None],
-                other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)                  # the interpreter's bf16 dot is wrong; fp32 holds bf16 exactly
+    q_row = q_ptr + n * stride_qn + offs_h[:, None] * stride_qh + offs_p[None, :]
     cnt = tl.load(cnt_ptr + n)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, R], tl.float32)
+    acc = tl.zeros([BLOCK_H, RP], tl.float32)
     for k0 in range(0, cnt, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         slot = tl.load(idx_ptr + n * stride_in + offs_k, mask=offs_k < cnt, other=-1)
         valid = slot >= 0
-        c = tl.load(lat_ptr + slot.to(tl.int64)[:, None] * stride_lat + offs_r[None, :], mask=valid[:, None],
-                    other=0.0)                                                     # [BLOCK_K, R]
-        if UPCAST:
-            c = c.to(tl.float32)
-        if IEEE or UPCAST:
-            s = tl.dot(q, tl.trans(c), input_precision="ieee")
+        c_row = lat_ptr + slot.to(tl.int64)[:, None] * stride_lat + offs_p[None, :]
+        s = tl.zeros([BLOCK_H, BLOCK_K], tl.float32)
+        for j in tl.static_range(R_SPLIT):
+            q = tl.load(q_row + j * RP, mask=hmask[:, None], other=0.0)           # [BLOCK_H, RP], L1-resident
+            c = tl.load(c_row + j * RP, mask=valid[:, None], other=0.0)           # [BLOCK_K, RP]
+            if UPCAST:                  # the interpreter's bf16 dot is wrong; fp32 holds bf16 exactly
+                q = q.to(tl.float32)
+                c = c.to(tl.float32)
+            if IEEE or UPCAST:
+                s = tl.dot(q, tl.trans(c), s, input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(c), s)
+        if R_SPLIT == 1:
+            v = c
         else:
-            s = tl.dot(q, tl.trans(c))                                            # [BLOCK_H, BLOCK_K] fp32
+            v = tl.load(c_row + part * RP, mask=valid[:, None], other=0.0)        # this program's columns
+            if UPCAST:
+                v = v.to(tl.float32)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))                  # log2 domain
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -94,12 +108,12 @@ def _sparse_mla_prefill_kernel(q_ptr, lat_ptr, idx_ptr, cnt_ptr, o_ptr, qk_scale
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if IEEE or UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(o_ptr + n * stride_on + offs_h[:, None] * stride_oh + offs_r[None, :],
+    tl.store(o_ptr + n * stride_on + offs_h[:, None] * stride_oh + part * RP + offs_p[None, :],
              out.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
 
 
@@ -135,11 +149,12 @@ def sparse_mla_prefill(q_lat: torch.Tensor, latent: torch.Tensor, idx: torch.Ten
     idx = idx if idx.dtype == torch.int32 and idx.stride(-1) == 1 else idx.to(torch.int32).contiguous()
     counts = counts if counts.dtype == torch.int32 and counts.is_contiguous() else counts.to(torch.int32).contiguous()
     block_h = min(cfg.block_h, max(16, triton.next_power_of_2(h)))
-    grid = (triton.cdiv(h, block_h), n)
+    r_split = cfg.r_split if r % cfg.r_split == 0 and r // cfg.r_split >= 16 else 1
+    grid = (triton.cdiv(h, block_h), n, r_split)
     _sparse_mla_prefill_kernel[grid](
         q_lat, latent, idx, counts, out, scale * LOG2E,
         q_lat.stride(0), q_lat.stride(1), latent.stride(0), idx.stride(0), out.stride(0), out.stride(1),
-        H=h, R=r, BLOCK_H=block_h, BLOCK_K=cfg.block_k, IEEE=q_lat.dtype == torch.float32,
+        H=h, R=r, BLOCK_H=block_h, BLOCK_K=cfg.block_k, R_SPLIT=r_split, IEEE=q_lat.dtype == torch.float32,
         UPCAST=interpreting() and q_lat.dtype != torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
