@@ -3,13 +3,13 @@
 Only the ``kv_lora_rank``-wide normalised latent ``c_kv`` is cached per token. Two forms of the same
 attention: expanded (per-head K/V from the latent with ``kv_b_proj``, ``[K_h; V_h] = W_kvb[h] c``) and
 absorbed (``q̃_h = W_UKᵀ q_h`` scores the latent directly and ``W_UV`` maps the attention-weighted latent
-back, which touches ``kv_lora_rank`` numbers per key instead of ``heads·(d_k+d_v)``). Decode and short
-runs (speculative verification) use the absorbed form. Prefill chunks: on the Triton backend (CUDA bf16)
-each query attends to its own selected latent rows with the absorbed sparse kernel
-(:mod:`glm5_kernels.sparse_mla_prefill`, which has the FLOP/byte argument); the SDPA (CUDA fp32) and torch
-(CPU reference) backends expand K/V and mask the scores with the indexer's selection. Chunks that are dense
-causal from position 0 run SDPA's causal flash kernel on CUDA. No host sync on the CUDA paths; no rope
-anywhere (qk_rope_head_dim = 0).
+back, which touches ``kv_lora_rank`` numbers per key instead of ``heads·(d_k+d_v)``). Decode and short runs
+(speculative verification) use the absorbed form, on CUDA over each query's gathered selected rows. Prefill
+chunks: on the Triton backend (CUDA bf16) each query attends to its own selected latent rows with the
+absorbed sparse kernel (:mod:`glm5_kernels.sparse_mla_prefill`, which has the FLOP/byte argument); the SDPA
+(CUDA fp32) and torch (CPU reference) backends expand K/V and mask the scores with the indexer's selection.
+Chunks that are dense causal from position 0 run SDPA's causal flash kernel on CUDA. No host sync on the CUDA
+paths; no rope anywhere (qk_rope_head_dim = 0).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class MLALayer:
         self.w_uv = kv_b[:, self.d_qk:]    # [h, d_v, r]
         self.scale = self.d_qk ** -0.5
         self.indexer = KPoolIndexer(weights, f"{p}.indexer", cfg)
+        self._kernel_width = self.rank >= 16 and self.rank & (self.rank - 1) == 0  # what the sparse kernel takes
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps
@@ -64,7 +65,11 @@ class MLALayer:
             self.indexer.write(raw_index[rows], s, cache, self.layer, batch.records)
             if backend == "torch":
                 out[rows] = self._attend_reference(x[rows], q_resid[rows], q[rows], s, cache, batch.shared_pools)
-            elif backend == "triton" and batch.shared_pools is None and not self._causal_from_start(s):
+            elif batch.shared_pools is None and (
+                    (backend == "triton" and not self._causal_from_start(s))
+                    or (s.num_tokens <= ABSORB_MAX_TOKENS and self._kernel_width)):
+                # short runs (verification rows, per-request decode) gather their selected rows on both CUDA
+                # paths, as the batched decode does, instead of masking every cached token
                 out[rows] = self._sparse(x[rows], q_resid[rows], q[rows], s, batch.positions[rows], cache)
             else:
                 out[rows] = self._attend_masked(x[rows], q_resid[rows], q[rows], s, cache, batch.shared_pools)
@@ -90,9 +95,9 @@ class MLALayer:
 
     def _attend_masked(self, x: torch.Tensor, q_resid: torch.Tensor, q: torch.Tensor, s: SeqChunk,
                        cache: HybridCache, shared_pools: dict | None) -> torch.Tensor:
-        """CUDA masked path (SDPA; also the Triton backend's dense-from-0 chunks and MTP draft steps that
-        share pools): the selection mask over every cached token of the request, sizes from the host —
-        no host sync. Dense chunks from position 0 run the causal flash kernel."""
+        """CUDA masked path (SDPA prefill chunks; also the Triton backend's dense-from-0 chunks and MTP draft
+        steps that share pools): the selection mask over every cached token of the request, sizes from the
+        host — no host sync. Dense chunks from position 0 run the causal flash kernel."""
         lat_cache = cache.latent[self.layer]
         keys = torch.arange(s.total_len, device=x.device)
         ctx = lat_cache[cache.token_slots(s.block_table, keys)].to(x.dtype)  # [L, r]
@@ -105,8 +110,9 @@ class MLALayer:
 
     def _sparse(self, x: torch.Tensor, q_resid: torch.Tensor, q: torch.Tensor, s: SeqChunk,
                 positions: torch.Tensor, cache: HybridCache) -> torch.Tensor:
-        """Triton path: per-query latent-row lists from the indexer, then the sparse absorbed attention
-        (:mod:`glm5_kernels.sparse_mla_prefill`) — only the selected (query, key) pairs, no host sync.
+        """Per-query latent-row lists from the indexer, then the sparse absorbed attention
+        (:mod:`glm5_kernels.sparse_mla_prefill`; IEEE products in fp32) — only the selected (query, key) pairs,
+        no host sync.
         ``q̃ = W_UKᵀ q`` and ``W_UV õ`` are per-head batched GEMMs; the kernel writes õ head-major for the
         second one."""
         from glm5_kernels.sparse_mla_prefill import sparse_mla_prefill
