@@ -22,8 +22,8 @@
 # Environment: PYTHON (default python3), GLM5_TRAINED_CKPT (a checkpoint from
 #   `python -m glm5.trained_tiny_checkpoint DIR`; default .gpuref/trained when present, else the bf16 test
 #   trains one on the GPU), PYTEST_ARGS (extra pytest arguments, e.g. -k or -x), BENCH_ARGS (default
-#   --profile-prefill; e.g. --quick --skip-hf), TESTS_TIMEOUT / BENCH_TIMEOUT / KERNELS_TIMEOUT in seconds
-#   (defaults 1200 / 900 / 300).
+#   --profile-prefill; e.g. --quick --skip-hf), TESTS_TIMEOUT / BENCH_TIMEOUT / KERNELS_TIMEOUT / CHECK_TIMEOUT
+#   (kernel_check.py) in seconds (defaults 1200 / 900 / 300 / 480).
 set -uo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 
@@ -126,7 +126,7 @@ run_kernels() {
     && timeout "${KERNELS_TIMEOUT:-300}" "$PY" bench/kernel_bench.py --small "$OUT/kernels/decode_kernels.json" >> "$OUT/kernels/kernel_bench.log" 2>&1
   local rc=$?
   # the prefill / decode-fusion kernels against their references, and the b1 step with the fusions off and on
-  timeout "${KERNELS_TIMEOUT:-300}" "$PY" bench/kernel_check.py "$OUT/kernels/check" > "$OUT/kernels/kernel_check.log" 2>&1 \
+  timeout "${CHECK_TIMEOUT:-480}" "$PY" bench/kernel_check.py "$OUT/kernels/check" > "$OUT/kernels/kernel_check.log" 2>&1 \
     || rc=1
   if [ $rc -eq 0 ] && "$PY" -c "import flashinfer" >/dev/null 2>&1; then
     timeout "${KERNELS_TIMEOUT:-300}" "$PY" bench/flashinfer_bench.py "$OUT/kernels/flashinfer_mla_kernels.json" \
