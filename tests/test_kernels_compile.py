@@ -67,7 +67,7 @@ def test_sparse_mla_kernel_compiles(dtype, has_cnt):
     from glm5_kernels.sparse_mla_decode import _sparse_mla_split_kernel
     _compile(_sparse_mla_split_kernel, dict(q_ptr=dtype, lat_ptr=dtype, idx_ptr="i32", cnt_ptr="i32", o_ptr="fp32",
                                             m_ptr="fp32", l_ptr="fp32"),
-             dict(H=64, R=512, BLOCK_H=16, BLOCK_K=32, SPLITS=8, IEEE=dtype == "fp32", HAS_CNT=has_cnt),
+             dict(H=64, R=512, BLOCK_H=16, BLOCK_K=32, SPLITS=8, IEEE=dtype == "fp32", HAS_CNT=has_cnt, UPCAST=False),
              floats=("scale",))
 
 
@@ -101,7 +101,7 @@ def test_rms_norm_kernel_compiles(width):
     from glm5_kernels.norms import _rms_norm_kernel
     block_n = triton.next_power_of_2(width)
     _compile(_rms_norm_kernel, dict(x_ptr="bf16", w_ptr="bf16", out_ptr="bf16"),
-             dict(BLOCK_M=max(1, min(16, 2048 // block_n)), BLOCK_N=block_n, PRECISE=True),
+             dict(BLOCK_M=max(1, min(16, 2048 // block_n)), BLOCK_N=block_n, PRECISE=True, X_BF16=True, O_BF16=True),
              floats=("inv_n", "eps"), num_warps=8 if block_n >= 4096 else 4)
 
 
@@ -113,12 +113,13 @@ def test_decode_elementwise_kernels_compile():
     from glm5_kernels.sparse_mla_decode import _combine_kernel
     from glm5_kernels.swiglu import _clamped_swiglu_kernel
     _compile(_gated_rms_norm_kernel, dict(x_ptr="bf16", g_ptr="bf16", w_ptr="bf16", out_ptr="bf16"),
-             dict(D=128, BLOCK_M=32, PRECISE=True), floats=("inv_d", "eps"))
-    _compile(_clamped_swiglu_kernel, dict(g_ptr="bf16", u_ptr="bf16", out_ptr="bf16"), dict(BLOCK=1024, PRECISE=True),
+             dict(D=128, BLOCK_M=32, PRECISE=True, O_BF16=True), floats=("inv_d", "eps"))
+    _compile(_clamped_swiglu_kernel, dict(g_ptr="bf16", u_ptr="bf16", out_ptr="bf16"),
+             dict(BLOCK=1024, PRECISE=True, BF16=True),
              floats=("limit",))
     _compile(_conv_step_kernel, dict(mixed_ptr="bf16", state_ptr="bf16", slot_ptr="i64", w_ptr="bf16", out_ptr="bf16",
                                      esrc_ptr="bf16", edst_ptr="bf16"),
-             dict(K=4, BLOCK=1024, BLOCK_E=64, HAS_EXTRA=True, PRECISE=True))
+             dict(K=4, BLOCK=1024, BLOCK_E=64, HAS_EXTRA=True, PRECISE=True, BF16=True))
     _compile(_combine_kernel, dict(o_ptr="fp32", m_ptr="fp32", l_ptr="fp32", out_ptr="bf16"),
              dict(H=64, R=512, SPLITS=17, SPLITS_P2=32, BLOCK_R=128), num_warps=1)
 

@@ -31,6 +31,8 @@ def _interpret(body: str, timeout: int = 300) -> None:
 
 
 def test_fused_elementwise_kernels_match_references_interpreter():
+    """fp32 to 1e-6; bf16 bit for bit but for an exp / rsqrt last-bit difference between numpy and torch (the
+    kernels round bf16 by explicit round-to-nearest-even arithmetic, which the interpreter runs exactly)."""
     _interpret("""
         import torch
         from glm5_kernels import norms_ref
@@ -41,26 +43,32 @@ def test_fused_elementwise_kernels_match_references_interpreter():
         from glm5_kernels.kda_decode_ref import kda_conv_step_ref
         torch.set_num_threads(1)
         g = torch.Generator().manual_seed(0)
-        # bf16: the interpreter's fp32 -> bf16 casts truncate, so up to 2 ulps here (the GPU test asks for <= 1)
-        for dt, tol in ((torch.float32, 1e-6), (torch.bfloat16, 3e-2)):
+
+        def same(got, want, dt):
+            assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape)
+            if dt == torch.float32:
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+                return
+            a, b = got.contiguous().view(torch.int16).int(), want.contiguous().view(torch.int16).int()
+            assert (a == b).float().mean() > 0.999 and (a - b).abs().max() <= 1, ((a != b).sum(), (a - b).abs().max())
+
+        for dt in (torch.float32, torch.bfloat16):
             # RMSNorm: a strided input (a column slice of a wider tensor), width not a power of two
             wide = (torch.randn(5, 100, generator=g) * 3).to(dt)
             x = wide[:, 10:58]
             w = (1 + 0.1 * torch.randn(48, generator=g)).to(dt)
-            torch.testing.assert_close(rms_norm(x, w, 1e-5), norms_ref.rms_norm(x, w, 1e-5), rtol=tol, atol=tol)
+            same(rms_norm(x, w, 1e-5), norms_ref.rms_norm(x, w, 1e-5), dt)
             x3 = torch.randn(2, 3, 48, generator=g).to(dt)
-            assert rms_norm(x3, w, 1e-5).shape == (2, 3, 48)
+            same(rms_norm(x3, w, 1e-5), norms_ref.rms_norm(x3, w, 1e-5), dt)
             # gated RMSNorm over heads
             x = torch.randn(3, 4, 16, generator=g).to(dt)
             gate = (torch.randn(3, 64, generator=g) * 2).to(dt).view(3, 4, 16)
             wn = (1 + 0.1 * torch.randn(16, generator=g)).to(dt)
-            torch.testing.assert_close(gated_rms_norm(x, gate, wn, 1e-5),
-                                       norms_ref.gated_rms_norm(x, gate, wn, 1e-5), rtol=tol, atol=tol)
-            # clamped SwiGLU: values beyond the limit on both sides
+            same(gated_rms_norm(x, gate, wn, 1e-5), norms_ref.gated_rms_norm(x, gate, wn, 1e-5), dt)
+            # clamped SwiGLU: values beyond the limit on both sides, strided halves of one tensor
             gu = (torch.randn(4, 2 * 40, generator=g) * 8).to(dt)
             gt, up = gu[:, :40], gu[:, 40:]
-            torch.testing.assert_close(clamped_swiglu(gt, up, 10.0), clamped_swiglu_ref(gt, up, 10.0), rtol=tol,
-                                       atol=tol)
+            same(clamped_swiglu(gt, up, 10.0), clamped_swiglu_ref(gt, up, 10.0), dt)
             # conv step: shuffled slots, the fused projection's strided slices, beta copied along
             n, c, k = 3, 3 * 24, 4
             state = torch.randn(6, k - 1, c, generator=g).to(dt)
@@ -70,10 +78,9 @@ def test_fused_elementwise_kernels_match_references_interpreter():
             slots = torch.tensor([4, 0, 2])
             want_state = state.clone()
             want = kda_conv_step_ref(mixed, want_state, slots, wconv)
-            qkv, b = kda_conv_step(mixed.contiguous() if dt == torch.float32 else mixed, state, slots, wconv,
-                                   extra=beta)
+            qkv, b = kda_conv_step(mixed, state, slots, wconv, extra=beta)
             assert qkv.shape == (3, n, 24) and all(t.is_contiguous() for t in qkv)
-            torch.testing.assert_close(qkv.permute(1, 0, 2).reshape(n, c), want, rtol=tol, atol=tol)
+            same(qkv.permute(1, 0, 2).reshape(n, c), want, dt)
             assert torch.equal(state, want_state) and torch.equal(b, beta) and b.is_contiguous()
     """)
 

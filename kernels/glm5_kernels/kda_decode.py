@@ -20,13 +20,14 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from glm5_kernels.kpool import interpreting
+from glm5_kernels.norms import _round_to
 
 
 @triton.jit
 def _conv_step_kernel(mixed_ptr, state_ptr, slot_ptr, w_ptr, out_ptr, esrc_ptr, edst_ptr,
                       C, D, E, stride_m, stride_ss, stride_sk, stride_w, stride_os, stride_on, stride_es, stride_ed,
                       K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, HAS_EXTRA: tl.constexpr,
-                      PRECISE: tl.constexpr):
+                      PRECISE: tl.constexpr, BF16: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     cb = tl.program_id(1)
     cols = cb * BLOCK + tl.arange(0, BLOCK)
@@ -39,18 +40,18 @@ def _conv_step_kernel(mixed_ptr, state_ptr, slot_ptr, w_ptr, out_ptr, esrc_ptr, 
     for j in tl.static_range(K - 1):
         s_j = tl.load(st + j * stride_sk, mask=mask, other=0.0).to(dt)
         w_j = tl.load(w_ptr + cols * stride_w + j, mask=mask, other=0.0).to(dt)
-        acc += (s_j.to(tl.float32) * w_j.to(tl.float32)).to(dt).to(tl.float32)
+        acc += _round_to(s_j.to(tl.float32) * w_j.to(tl.float32), dt, BF16)
         if j > 0:
             tl.store(st + (j - 1) * stride_sk, s_j.to(state_ptr.dtype.element_ty), mask=mask)   # shift left
     w_last = tl.load(w_ptr + cols * stride_w + (K - 1), mask=mask, other=0.0).to(dt)
-    acc += (x.to(tl.float32) * w_last.to(tl.float32)).to(dt).to(tl.float32)
+    acc += _round_to(x.to(tl.float32) * w_last.to(tl.float32), dt, BF16)
     tl.store(st + (K - 2) * stride_sk, x.to(state_ptr.dtype.element_ty), mask=mask)
-    a = acc.to(dt).to(tl.float32)
+    a = _round_to(acc, dt, BF16)
     if PRECISE:
         e = libdevice.exp(-a)
     else:
         e = tl.exp(-a)
-    y = tl.div_rn(a, 1.0 + e)
+    y = _round_to(tl.div_rn(a, 1.0 + e), dt, BF16)
     tl.store(out_ptr + (cols // D) * stride_os + n * stride_on + cols % D, y.to(out_ptr.dtype.element_ty), mask=mask)
     if HAS_EXTRA:
         if cb == 0:
@@ -91,7 +92,7 @@ def kda_conv_step(mixed: torch.Tensor, conv_state: torch.Tensor, slots: torch.Te
         conv_state.stride(1), conv_w.stride(0), out.stride(0), out.stride(1),
         extra.stride(0) if extra is not None else 0, extra_out.stride(0) if extra_out is not None else 0,
         K=k1 + 1, BLOCK=block, BLOCK_E=triton.next_power_of_2(e), HAS_EXTRA=extra is not None,
-        PRECISE=not interpreting(), num_warps=4)
+        PRECISE=not interpreting(), BF16=mixed.dtype == torch.bfloat16, num_warps=4)
     return out, extra_out
 
 

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from glm5_kernels.kpool import interpreting
+from glm5_kernels.kpool import _rne_bf16, interpreting
 
 
 @triton.jit
@@ -36,23 +36,34 @@ def _sigmoid(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
+def _round_to(x, dt: tl.constexpr, BF16: tl.constexpr):
+    """fp32 ``x`` rounded to dtype ``dt`` (returned as fp32): bf16 by explicit round-to-nearest-even bit
+    arithmetic (the interpreter's own cast truncates), other dtypes by a cast."""
+    if BF16:
+        return _rne_bf16(x)
+    return x.to(dt).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, M, N, inv_n, eps, stride_x, stride_o,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr, X_BF16: tl.constexpr,
+                     O_BF16: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     xf = x.to(tl.float32)
     r = _rsqrt(tl.sum(xf * xf, 1) * inv_n + eps, PRECISE)                      # torch's mean: sum × (1/N)
-    y = (xf * r[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)          # the reference casts back first
+    y = _round_to(xf * r[:, None], x_ptr.dtype.element_ty, X_BF16)            # the reference casts back first
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :],
-             (w[None, :] * y).to(out_ptr.dtype.element_ty), mask=mask)
+    out = _round_to(w[None, :] * y, out_ptr.dtype.element_ty, O_BF16)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
 def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, M, inv_d, eps, stride_x, stride_g, stride_o,
-                           D: tl.constexpr, BLOCK_M: tl.constexpr, PRECISE: tl.constexpr):
+                           D: tl.constexpr, BLOCK_M: tl.constexpr, PRECISE: tl.constexpr, O_BF16: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, D)
     mask = (rows < M)[:, None]
@@ -61,7 +72,7 @@ def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, M, inv_d, eps, stride_x
     gf = tl.load(g_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols).to(tl.float32)
     r = _rsqrt(tl.sum(xf * xf, 1) * inv_d + eps, PRECISE)
-    y = w[None, :] * (xf * r[:, None]) * _sigmoid(gf, PRECISE)
+    y = _round_to(w[None, :] * (xf * r[:, None]) * _sigmoid(gf, PRECISE), out_ptr.dtype.element_ty, O_BF16)
     tl.store(out_ptr + r64 * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -85,7 +96,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         block_m = max(1, min(16, 2048 // block_n))
         _rms_norm_kernel[(triton.cdiv(m, block_m),)](
             x2, weight, out, m, n, 1.0 / n, eps, x2.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-            PRECISE=not interpreting(), num_warps=8 if block_n >= 4096 else 4)
+            PRECISE=not interpreting(), X_BF16=x.dtype == torch.bfloat16, O_BF16=out.dtype == torch.bfloat16,
+            num_warps=8 if block_n >= 4096 else 4)
     return out.view(*x.shape[:-1], n)
 
 
@@ -105,7 +117,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         block_m = max(1, min(64, 4096 // d))
         _gated_rms_norm_kernel[(triton.cdiv(m, block_m),)](
             x2, g2, weight, out, m, 1.0 / d, eps, x2.stride(0), g2.stride(0), out.stride(0), D=d, BLOCK_M=block_m,
-            PRECISE=not interpreting(), num_warps=4)
+            PRECISE=not interpreting(), O_BF16=out.dtype == torch.bfloat16, num_warps=4)
     return out.view(x.shape)
 
 

@@ -16,11 +16,11 @@ is reused by those heads. Indices are trusted (no host sync); ``-1`` entries are
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
+
+from glm5_kernels.kpool import interpreting
 
 
 @triton.jit
@@ -29,7 +29,8 @@ def _sparse_mla_split_kernel(q_ptr, lat_ptr, idx_ptr, cnt_ptr, o_ptr, m_ptr, l_p
                              stride_qn, stride_qh, stride_lat, stride_in,
                              stride_on, stride_os, stride_oh,
                              H: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                             SPLITS: tl.constexpr, IEEE: tl.constexpr, HAS_CNT: tl.constexpr):
+                             SPLITS: tl.constexpr, IEEE: tl.constexpr, HAS_CNT: tl.constexpr,
+                             UPCAST: tl.constexpr = False):
     n = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -37,6 +38,8 @@ def _sparse_mla_split_kernel(q_ptr, lat_ptr, idx_ptr, cnt_ptr, o_ptr, m_ptr, l_p
     offs_r = tl.arange(0, R)
     hmask = offs_h < H
     q = tl.load(q_ptr + n * stride_qn + offs_h[:, None] * stride_qh + offs_r[None, :], mask=hmask[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)          # the interpreter's bf16 dot is wrong; fp32 holds bf16 exactly
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, R], tl.float32)
@@ -51,7 +54,9 @@ def _sparse_mla_split_kernel(q_ptr, lat_ptr, idx_ptr, cnt_ptr, o_ptr, m_ptr, l_p
         valid = slot >= 0
         c = tl.load(lat_ptr + slot.to(tl.int64)[:, None] * stride_lat + offs_r[None, :], mask=valid[:, None],
                     other=0.0)                                                    # [BLOCK_K, R]
-        if IEEE:  # fp32 inputs: full-precision products, not tf32
+        if UPCAST:
+            c = c.to(tl.float32)
+        if IEEE or UPCAST:  # fp32 inputs: full-precision products, not tf32
             s = tl.dot(q, tl.trans(c), input_precision="ieee") * scale
         else:
             s = tl.dot(q, tl.trans(c)) * scale                                  # [BLOCK_H, BLOCK_K]
@@ -61,7 +66,7 @@ def _sparse_mla_split_kernel(q_ptr, lat_ptr, idx_ptr, cnt_ptr, o_ptr, m_ptr, l_p
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
+        if IEEE or UPCAST:
             acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
@@ -128,7 +133,8 @@ def sparse_mla_decode(q_lat: torch.Tensor, latent: torch.Tensor, idx: torch.Tens
         q_lat.stride(0), q_lat.stride(1), latent.stride(0), idx.stride(0),
         o.stride(0), o.stride(1), o.stride(2),
         H=h, R=r, BLOCK_H=block_h, BLOCK_K=block_k, SPLITS=splits, IEEE=q_lat.dtype == torch.float32,
-        HAS_CNT=counts is not None, num_warps=8 if r >= 512 else 4)
+        HAS_CNT=counts is not None, UPCAST=interpreting() and q_lat.dtype != torch.float32,
+        num_warps=8 if r >= 512 else 4)
     out = torch.empty(n, h, r, device=q_lat.device, dtype=out_dtype)
     block_r = min(r, 128)
     _combine_kernel[(n, h, r // block_r)](

@@ -15,11 +15,12 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from glm5_kernels.kpool import interpreting
+from glm5_kernels.norms import _round_to
 
 
 @triton.jit
 def _clamped_swiglu_kernel(g_ptr, u_ptr, out_ptr, N, limit, stride_g, stride_u, stride_o,
-                           BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+                           BLOCK: tl.constexpr, PRECISE: tl.constexpr, BF16: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -30,8 +31,9 @@ def _clamped_swiglu_kernel(g_ptr, u_ptr, out_ptr, N, limit, stride_g, stride_u, 
         e = libdevice.exp(-g)
     else:
         e = tl.exp(-g)
-    s = tl.div_rn(g, 1.0 + e).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
+    s = _round_to(tl.div_rn(g, 1.0 + e), out_ptr.dtype.element_ty, BF16)
+    tl.store(out_ptr + row * stride_o + cols, _round_to(s * u, out_ptr.dtype.element_ty, BF16).to(
+        out_ptr.dtype.element_ty), mask=mask)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -47,7 +49,7 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) ->
         block = min(1024, triton.next_power_of_2(n))
         _clamped_swiglu_kernel[(g2.shape[0], triton.cdiv(n, block))](
             g2, u2, out, n, float("inf") if limit is None else float(limit), g2.stride(0), u2.stride(0),
-            out.stride(0), BLOCK=block, PRECISE=not interpreting(), num_warps=4)
+            out.stride(0), BLOCK=block, PRECISE=not interpreting(), BF16=gate.dtype == torch.bfloat16, num_warps=4)
     return out.view(gate.shape)
 
 
