@@ -34,24 +34,23 @@ def _conv_step_kernel(mixed_ptr, state_ptr, slot_ptr, w_ptr, out_ptr, esrc_ptr, 
     mask = cols < C
     slot = tl.load(slot_ptr + n).to(tl.int64)
     st = state_ptr + slot * stride_ss + cols
-    dt = mixed_ptr.dtype.element_ty
     x = tl.load(mixed_ptr + n * stride_m + cols, mask=mask, other=0.0)
     acc = tl.zeros([BLOCK], tl.float32)
     for j in tl.static_range(K - 1):
-        s_j = tl.load(st + j * stride_sk, mask=mask, other=0.0).to(dt)
-        w_j = tl.load(w_ptr + cols * stride_w + j, mask=mask, other=0.0).to(dt)
-        acc += _round_to(s_j.to(tl.float32) * w_j.to(tl.float32), dt, BF16)
+        s_j = tl.load(st + j * stride_sk, mask=mask, other=0.0).to(mixed_ptr.dtype.element_ty)
+        w_j = tl.load(w_ptr + cols * stride_w + j, mask=mask, other=0.0).to(mixed_ptr.dtype.element_ty)
+        acc += _round_to(s_j.to(tl.float32) * w_j.to(tl.float32), mixed_ptr, BF16)
         if j > 0:
             tl.store(st + (j - 1) * stride_sk, s_j.to(state_ptr.dtype.element_ty), mask=mask)   # shift left
-    w_last = tl.load(w_ptr + cols * stride_w + (K - 1), mask=mask, other=0.0).to(dt)
-    acc += _round_to(x.to(tl.float32) * w_last.to(tl.float32), dt, BF16)
+    w_last = tl.load(w_ptr + cols * stride_w + (K - 1), mask=mask, other=0.0).to(mixed_ptr.dtype.element_ty)
+    acc += _round_to(x.to(tl.float32) * w_last.to(tl.float32), mixed_ptr, BF16)
     tl.store(st + (K - 2) * stride_sk, x.to(state_ptr.dtype.element_ty), mask=mask)
-    a = _round_to(acc, dt, BF16)
+    a = _round_to(acc, mixed_ptr, BF16)
     if PRECISE:
         e = libdevice.exp(-a)
     else:
         e = tl.exp(-a)
-    y = _round_to(tl.div_rn(a, 1.0 + e), dt, BF16)
+    y = _round_to(tl.div_rn(a, 1.0 + e), mixed_ptr, BF16)
     tl.store(out_ptr + (cols // D) * stride_os + n * stride_on + cols % D, y.to(out_ptr.dtype.element_ty), mask=mask)
     if HAS_EXTRA:
         if cb == 0:

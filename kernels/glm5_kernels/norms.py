@@ -36,12 +36,12 @@ def _sigmoid(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _round_to(x, dt: tl.constexpr, BF16: tl.constexpr):
-    """fp32 ``x`` rounded to dtype ``dt`` (returned as fp32): bf16 by explicit round-to-nearest-even bit
-    arithmetic (the interpreter's own cast truncates), other dtypes by a cast."""
+def _round_to(x, like_ptr, BF16: tl.constexpr):
+    """fp32 ``x`` rounded to the element type of ``like_ptr`` (returned as fp32): bf16 by explicit
+    round-to-nearest-even bit arithmetic (the interpreter's own cast truncates), other dtypes by a cast."""
     if BF16:
         return _rne_bf16(x)
-    return x.to(dt).to(tl.float32)
+    return x.to(like_ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
@@ -54,9 +54,9 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, M, N, inv_n, eps, stride_x, stride_o
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     xf = x.to(tl.float32)
     r = _rsqrt(tl.sum(xf * xf, 1) * inv_n + eps, PRECISE)                      # torch's mean: sum × (1/N)
-    y = _round_to(xf * r[:, None], x_ptr.dtype.element_ty, X_BF16)            # the reference casts back first
+    y = _round_to(xf * r[:, None], x_ptr, X_BF16)            # the reference casts back first
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    out = _round_to(w[None, :] * y, out_ptr.dtype.element_ty, O_BF16)
+    out = _round_to(w[None, :] * y, out_ptr, O_BF16)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], out.to(out_ptr.dtype.element_ty),
              mask=mask)
 
@@ -72,7 +72,7 @@ def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, M, inv_d, eps, stride_x
     gf = tl.load(g_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols).to(tl.float32)
     r = _rsqrt(tl.sum(xf * xf, 1) * inv_d + eps, PRECISE)
-    y = _round_to(w[None, :] * (xf * r[:, None]) * _sigmoid(gf, PRECISE), out_ptr.dtype.element_ty, O_BF16)
+    y = _round_to(w[None, :] * (xf * r[:, None]) * _sigmoid(gf, PRECISE), out_ptr, O_BF16)
     tl.store(out_ptr + r64 * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -70,15 +70,14 @@ def _sparse_mla_prefill_kernel(q_ptr, lat_ptr, idx_ptr, cnt_ptr, o_ptr, qk_scale
     hb = tl.program_id(0)
     n = tl.program_id(1).to(tl.int64)
     part = tl.program_id(2)
-    RP: tl.constexpr = R // R_SPLIT
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_p = tl.arange(0, RP)
+    offs_p = tl.arange(0, R // R_SPLIT)
     hmask = offs_h < H
     q_row = q_ptr + n * stride_qn + offs_h[:, None] * stride_qh + offs_p[None, :]
     cnt = tl.load(cnt_ptr + n)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, RP], tl.float32)
+    acc = tl.zeros([BLOCK_H, R // R_SPLIT], tl.float32)
     for k0 in range(0, cnt, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         slot = tl.load(idx_ptr + n * stride_in + offs_k, mask=offs_k < cnt, other=-1)
@@ -86,8 +85,8 @@ def _sparse_mla_prefill_kernel(q_ptr, lat_ptr, idx_ptr, cnt_ptr, o_ptr, qk_scale
         c_row = lat_ptr + slot.to(tl.int64)[:, None] * stride_lat + offs_p[None, :]
         s = tl.zeros([BLOCK_H, BLOCK_K], tl.float32)
         for j in tl.static_range(R_SPLIT):
-            q = tl.load(q_row + j * RP, mask=hmask[:, None], other=0.0)           # [BLOCK_H, RP], L1-resident
-            c = tl.load(c_row + j * RP, mask=valid[:, None], other=0.0)           # [BLOCK_K, RP]
+            q = tl.load(q_row + j * (R // R_SPLIT), mask=hmask[:, None], other=0.0)    # [BLOCK_H, R/R_SPLIT]
+            c = tl.load(c_row + j * (R // R_SPLIT), mask=valid[:, None], other=0.0)    # [BLOCK_K, R/R_SPLIT]
             if UPCAST:                  # the interpreter's bf16 dot is wrong; fp32 holds bf16 exactly
                 q = q.to(tl.float32)
                 c = c.to(tl.float32)
@@ -98,7 +97,7 @@ def _sparse_mla_prefill_kernel(q_ptr, lat_ptr, idx_ptr, cnt_ptr, o_ptr, qk_scale
         if R_SPLIT == 1:
             v = c
         else:
-            v = tl.load(c_row + part * RP, mask=valid[:, None], other=0.0)        # this program's columns
+            v = tl.load(c_row + part * (R // R_SPLIT), mask=valid[:, None], other=0.0)        # this program's columns
             if UPCAST:
                 v = v.to(tl.float32)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))                  # log2 domain
@@ -113,7 +112,7 @@ def _sparse_mla_prefill_kernel(q_ptr, lat_ptr, idx_ptr, cnt_ptr, o_ptr, qk_scale
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(o_ptr + n * stride_on + offs_h[:, None] * stride_oh + part * RP + offs_p[None, :],
+    tl.store(o_ptr + n * stride_on + offs_h[:, None] * stride_oh + part * (R // R_SPLIT) + offs_p[None, :],
              out.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
 
 

@@ -31,8 +31,8 @@ def _clamped_swiglu_kernel(g_ptr, u_ptr, out_ptr, N, limit, stride_g, stride_u, 
         e = libdevice.exp(-g)
     else:
         e = tl.exp(-g)
-    s = _round_to(tl.div_rn(g, 1.0 + e), out_ptr.dtype.element_ty, BF16)
-    tl.store(out_ptr + row * stride_o + cols, _round_to(s * u, out_ptr.dtype.element_ty, BF16).to(
+    s = _round_to(tl.div_rn(g, 1.0 + e), out_ptr, BF16)
+    tl.store(out_ptr + row * stride_o + cols, _round_to(s * u, out_ptr, BF16).to(
         out_ptr.dtype.element_ty), mask=mask)
 
 
