@@ -7,12 +7,13 @@
 #            the per-layer bf16 diagnostic -> OUTDIR/bf16_layer_errors.json
 #   bench    bench/bench.py -> OUTDIR/bench/ (results.json, profile_*.txt, bench.log, stdout.log), rendered
 #            to OUTDIR/bench/RESULTS.md by bench/render_results.py (docs/benchmarks.md: how to record it)
-#   kernels  bench/kernel_bench.py and, when flashinfer imports, bench/flashinfer_bench.py -> OUTDIR/kernels/
+#   kernels  bench/kernel_bench.py, bench/kernel_check.py (-> OUTDIR/kernels/check/) and, when flashinfer
+#            imports, bench/flashinfer_bench.py -> OUTDIR/kernels/
 #   fp8      bench/fp8_check.py --write-table (fp8 kernels vs references, GEMV/_scaled_mm/bf16 timings, the
 #            per-shape choice table) and bench/tune_fused_moe.py --fp8 -> OUTDIR/fp8/ and kernels/glm5_kernels/configs/
 #   spec     bench/spec_bench.py --profile -> OUTDIR/spec/ (spec_results.json, cost_table.json for
 #            speculative_cost_table, profile_spec_*.txt, SPEC.md: the section rendered; docs/speculative.md)
-#   all      the four in that order; OUTDIR/device.txt always records the GPU, driver and versions
+#   all      the five in that order; OUTDIR/device.txt always records the GPU, driver and versions
 # Exit status: non-zero when a stage fails (the later stages still run).
 #
 # Setup it does first (each step only when needed):
@@ -26,10 +27,10 @@
 #   `python -m glm5.trained_tiny_checkpoint DIR`; default .gpuref/trained when present, else the bf16 test
 #   trains one on the GPU), PYTEST_ARGS (extra pytest arguments, e.g. -k or -x), BENCH_ARGS (default
 #   --profile-prefill; e.g. --quick --skip-hf), TESTS_TIMEOUT / BENCH_TIMEOUT / KERNELS_TIMEOUT /
-#   SPEC_TIMEOUT in seconds (defaults 1200 / 900 / 300 / 600), FP8_TIMEOUT (default 600; fp8_check
-#   --budget-s 240 + the MoE tuner's 150 s).
+#   SPEC_TIMEOUT / CHECK_TIMEOUT (kernel_check.py) in seconds (defaults 1200 / 900 / 300 / 600 / 480),
+#   FP8_TIMEOUT (default 600; fp8_check --budget-s 240 + the MoE tuner's 150 s).
 set -uo pipefail
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 
 STAGE=${1:-all}
 case "$STAGE" in tests|bench|kernels|fp8|spec|all) ;; *) echo "unknown stage '$STAGE': use tests, bench, kernels, fp8, spec or all" >&2; exit 2;; esac
@@ -129,6 +130,9 @@ run_kernels() {
   timeout "${KERNELS_TIMEOUT:-300}" "$PY" bench/kernel_bench.py "$OUT/kernels/sparse_mla.json" > "$OUT/kernels/kernel_bench.log" 2>&1 \
     && timeout "${KERNELS_TIMEOUT:-300}" "$PY" bench/kernel_bench.py --small "$OUT/kernels/decode_kernels.json" >> "$OUT/kernels/kernel_bench.log" 2>&1
   local rc=$?
+  # the prefill / decode-fusion kernels against their references, and the b1 step with the fusions off and on
+  timeout "${CHECK_TIMEOUT:-480}" "$PY" bench/kernel_check.py "$OUT/kernels/check" > "$OUT/kernels/kernel_check.log" 2>&1 \
+    || rc=1
   if [ $rc -eq 0 ] && "$PY" -c "import flashinfer" >/dev/null 2>&1; then
     timeout "${KERNELS_TIMEOUT:-300}" "$PY" bench/flashinfer_bench.py "$OUT/kernels/flashinfer_mla_kernels.json" \
       > "$OUT/kernels/flashinfer_bench.log" 2>&1

@@ -78,3 +78,52 @@ def test_cpu_bf16_engine_agrees_with_cpu_fp32(trained_checkpoint, fp32_tokens):
           f"{trained_tiny.N_AGREE} tokens; first divergence per prompt {first}")
     assert all(len(t) == trained_tiny.N_AGREE for t in got)
     assert agree >= MIN_AGREE, first
+
+
+_ROUTER_AGREEMENT = """
+import sys, torch
+from glm5 import trained_tiny_checkpoint as trained
+from glm5.layers import moe as moe_mod
+from glm5_kernels.router import RouterWorkspace, router_topk
+from glm5_kernels.router_ref import route_ref
+sys.path.insert(0, sys.argv[2])
+from oracle import engine, engine_greedy
+torch.set_num_threads(1)
+captured = {}
+orig = moe_mod.route
+def capture(x, gate_w, bias, cfg, *a, **kw):
+    captured.setdefault(id(gate_w), [gate_w, bias, []])[2].append(x.clone())
+    return orig(x, gate_w, bias, cfg, *a, **kw)
+moe_mod.route = capture
+eng = engine(sys.argv[1], dtype="bfloat16", max_model_len=512)
+cfg = eng.model_config.text
+engine_greedy(eng, trained.agreement_prompts(cfg.vocab_size)[:6], 6)
+args = (cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+same = total = 0
+for gate_w, bias, xs in captured.values():
+    x = torch.cat(xs)
+    _, ki = router_topk(x, gate_w.to(x.dtype), bias, *args, workspace=RouterWorkspace())
+    _, fi = route_ref(x, gate_w, bias, *args)
+    same += int((ki.sort(1).values == fi.sort(1).values).all(1).sum())
+    total += x.shape[0]
+print(f"router kernel (bf16 products, fp32 accumulation) vs fp32 router on {total} MoE inputs of the trained "
+      f"checkpoint: {same / total:.4%} same experts")
+assert total > 1000 and same >= 0.995 * total, (same, total)
+print("ok")
+"""
+
+
+def test_router_kernel_keeps_the_fp32_expert_choice_on_trained_weights(trained_checkpoint):
+    """The Triton router (run by the interpreter: the kernel's code, numpy's fp32 summation order) picks the
+    fp32 router's experts for the MoE inputs of a bf16 engine on the trained checkpoint (the GPU measurement
+    at the real shape is ``bench/kernel_check.py``)."""
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(root / "kernels"), str(root / "backend"), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", _ROUTER_AGREEMENT, str(trained_checkpoint), str(root / "tests")],
+                         env=env, capture_output=True, text=True, timeout=600)
+    print(res.stdout[-500:])
+    assert res.returncode == 0 and res.stdout.rstrip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]

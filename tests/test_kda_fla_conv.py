@@ -19,8 +19,12 @@ from glm5.layers.batch import ForwardBatch, SeqChunk
 from oracle import engine
 
 
-def _fla_causal_conv1d_model(x, weight, initial_state, activation, cu_seqlens):
+def _fla_causal_conv1d_model(x, weight, initial_state, activation, cu_seqlens, chunk_indices):
     assert activation == "silu"
+    # the chunk list fla's prepare_chunk_indices derives from cu_seqlens (64-row chunks): (request, chunk)
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    want = [[i, j] for i, n in enumerate(lens) for j in range(-(-n // 64))]
+    assert chunk_indices.tolist() == want and chunk_indices.dtype == cu_seqlens.dtype
     outs = []
     for i in range(len(cu_seqlens) - 1):
         rows = x[0, cu_seqlens[i]: cu_seqlens[i + 1]]
@@ -40,7 +44,7 @@ def test_conv_fla_matches_the_per_request_conv(tiny_checkpoint_dir, monkeypatch)
     conv = eng.runner.cache.conv[layer.layer]
     g = torch.Generator().manual_seed(0)
     conv.copy_(torch.randn(conv.shape, generator=g))
-    lens = [70, 2, 1, 5]                                   # 1 and 2 rows: shorter than the K-1 = 3 history
+    lens = [70, 2, 1, 5]            # 1 and 2 rows: shorter than the K-1 = 3 history; 70 rows: two 64-row chunks
     seqs, start = [], 0
     for i, n in enumerate(lens):
         seqs.append(SeqChunk(start, n, 10, torch.arange(4), state_slot=i + 1))
@@ -52,7 +56,8 @@ def test_conv_fla_matches_the_per_request_conv(tiny_checkpoint_dir, monkeypatch)
     want = layer._conv(mixed, batch, conv)
     want_state = conv.clone()
     conv.copy_(saved)
-    got = layer._conv_fla(mixed, batch, conv, torch.tensor([0] + lens).cumsum(0),
-                          torch.tensor([s.state_slot for s in seqs]))
+    got = layer._conv_fla(mixed, batch, conv)
+    meta = batch.seq_tensors(mixed.device)
+    assert meta.cu_seqlens.tolist() == [0, 70, 72, 73, 78] and meta.state_slots.tolist() == [1, 2, 3, 4]
     assert (got - want).abs().max() < 1e-5
     assert torch.equal(conv, want_state)

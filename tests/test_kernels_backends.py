@@ -56,3 +56,31 @@ def test_triton_kernel_backends_follow_dtype():
             backends.index_backend(cuda, torch.float16)
     finally:
         backends.reset_backends()
+
+
+def test_new_kernel_backends_auto_by_dtype_and_fail_fast(monkeypatch):
+    """attn / router / fuse: auto sends bf16 on CUDA to the kernels and keeps fp32 on the reference path (the
+    fp32 oracle mode); explicit triton on the CPU fails fast unless the interpreter runs the kernels."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert backends.attn_backend(cuda, torch.bfloat16, 512) == "triton"
+    assert backends.attn_backend(cuda, torch.float32, 512) == "sdpa"
+    assert backends.attn_backend(cuda, torch.bfloat16, 96) == "sdpa"      # the kernel takes powers of two
+    for fn in (backends.router_backend, backends.fuse_backend):
+        assert fn(cuda, torch.bfloat16) == "triton"
+        assert fn(cuda, torch.float32) == "torch"
+        assert fn(cpu, torch.bfloat16) == "torch"
+    backends.set_backends(attn="triton", router="triton", fuse="triton")
+    with pytest.raises(backends.BackendUnavailable, match="kv_lora_rank 96"):
+        backends.attn_backend(cuda, torch.bfloat16, 96)
+    for fn in (backends.router_backend, backends.fuse_backend):
+        with pytest.raises(backends.BackendUnavailable, match="not on a CUDA device"):
+            fn(cpu, torch.float32)
+        assert fn(cuda, torch.float32) == "triton"                        # explicit: fp32 kernels (IEEE) run
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert backends.router_backend(cpu, torch.float32) == "triton"
+    assert backends.attn_backend(cpu, torch.float32, 32) == "triton"
+    backends.reset_backends()
+    assert backends.fuse_backend(cpu, torch.bfloat16) == "torch"          # never auto on the CPU
+    with pytest.raises(ValueError, match="GLM5_FUSE_BACKEND"):
+        backends.set_backends(fuse="fla")

@@ -19,9 +19,14 @@ from triton.compiler import ASTSource  # noqa: E402
 SM90 = GPUTarget("cuda", 90, 32)
 
 
-def _compile(fn, ptrs: dict[str, str], constexprs: dict, floats: tuple[str, ...] = (), i64: tuple[str, ...] = ()):
+SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on the H200
+
+
+def _compile(fn, ptrs: dict[str, str], constexprs: dict, floats: tuple[str, ...] = (), i64: tuple[str, ...] = (),
+             **options):
     """Compile ``fn`` with pointer element types ``ptrs`` (name → triton type), scalars i32 unless named in
-    ``floats`` (fp32) or ``i64``, and the given constexpr values. Returns the compiled kernel."""
+    ``floats`` (fp32) or ``i64``, and the given constexpr values; ``options``: num_warps / num_stages.
+    Returns the compiled kernel, whose shared memory must fit the H200."""
     sig = {}
     for p in fn.params:
         if p.is_constexpr:
@@ -34,7 +39,9 @@ def _compile(fn, ptrs: dict[str, str], constexprs: dict, floats: tuple[str, ...]
             sig[p.name] = "fp32" if p.name in floats else "i64" if p.name in i64 else "i32"
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
     assert not missing, f"{fn.__name__}: constexpr values missing for {missing}"
-    return triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=SM90)
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=SM90, options=options or None)
+    assert kernel.metadata.shared <= SMEM_LIMIT, f"{fn.__name__}: {kernel.metadata.shared} B of shared memory"
+    return kernel
 
 
 @pytest.mark.parametrize("has_cnt", [False, True])
@@ -60,8 +67,69 @@ def test_sparse_mla_kernel_compiles(dtype, has_cnt):
     from glm5_kernels.sparse_mla_decode import _sparse_mla_split_kernel
     _compile(_sparse_mla_split_kernel, dict(q_ptr=dtype, lat_ptr=dtype, idx_ptr="i32", cnt_ptr="i32", o_ptr="fp32",
                                             m_ptr="fp32", l_ptr="fp32"),
-             dict(H=64, R=512, BLOCK_H=16, BLOCK_K=32, SPLITS=8, IEEE=dtype == "fp32", HAS_CNT=has_cnt),
+             dict(H=64, R=512, BLOCK_H=16, BLOCK_K=32, SPLITS=8, IEEE=dtype == "fp32", HAS_CNT=has_cnt, UPCAST=False),
              floats=("scale",))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_sparse_mla_prefill_kernel_compiles(dtype):
+    """The default launch config of each dtype at the real shape (64 heads, 512-wide latent)."""
+    import torch
+    from glm5_kernels.sparse_mla_prefill import DEFAULT_CONFIGS, _sparse_mla_prefill_kernel
+    cfg = DEFAULT_CONFIGS[torch.bfloat16 if dtype == "bf16" else torch.float32]
+    _compile(_sparse_mla_prefill_kernel, dict(q_ptr=dtype, lat_ptr=dtype, idx_ptr="i32", cnt_ptr="i32", o_ptr=dtype),
+             dict(H=64, R=512, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, R_SPLIT=cfg.r_split, IEEE=dtype == "fp32",
+                  UPCAST=False),
+             floats=("qk_scale",), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+@pytest.mark.parametrize("t,n_group", [(1, 1), (4096, 1), (8, 8)])
+def test_router_kernel_compiles(t, n_group):
+    """Decode (split-K) and prefill launch shapes at 288 experts × 4096, top-8; DeepSeek-style groups."""
+    from glm5_kernels.router import _launch_shape, _router_kernel
+    shape = _launch_shape(t, 4096)
+    warps = shape.pop("num_warps")
+    _compile(_router_kernel, dict(x_ptr="bf16", w_ptr="bf16", bias_ptr="fp32", part_ptr="fp32", sem_ptr="i32",
+                                  wout_ptr="fp32", iout_ptr="i64"),
+             dict(E=288 if n_group == 1 else 256, E_PAD=512 if n_group == 1 else 256, TOP_K=8, K_PAD=8,
+                  N_GROUP=n_group, G_PAD=n_group, TOPK_GROUP=min(4, n_group), RENORM=True, IEEE=False, UPCAST=False,
+                  PRECISE=True, **shape), floats=("scaling",), num_warps=warps)
+
+
+@pytest.mark.parametrize("width", [4096, 1536, 512])
+def test_rms_norm_kernel_compiles(width):
+    from glm5_kernels.norms import _rms_norm_kernel
+    block_n = triton.next_power_of_2(width)
+    _compile(_rms_norm_kernel, dict(x_ptr="bf16", w_ptr="bf16", out_ptr="bf16"),
+             dict(BLOCK_M=max(1, min(16, 2048 // block_n)), BLOCK_N=block_n, PRECISE=True, X_BF16=True, O_BF16=True),
+             floats=("inv_n", "eps"), num_warps=8 if block_n >= 4096 else 4)
+
+
+def test_decode_elementwise_kernels_compile():
+    """KDA gated norm (128-wide heads), clamped SwiGLU, KDA conv step (3 × 8192 channels, K = 4, β copy) and
+    the sparse-MLA split combine (64 heads × 512)."""
+    from glm5_kernels.kda_decode import _conv_step_kernel
+    from glm5_kernels.norms import _gated_rms_norm_kernel
+    from glm5_kernels.sparse_mla_decode import _combine_kernel
+    from glm5_kernels.swiglu import _clamped_swiglu_kernel
+    _compile(_gated_rms_norm_kernel, dict(x_ptr="bf16", g_ptr="bf16", w_ptr="bf16", out_ptr="bf16"),
+             dict(D=128, BLOCK_M=32, PRECISE=True, O_BF16=True), floats=("inv_d", "eps"))
+    _compile(_clamped_swiglu_kernel, dict(g_ptr="bf16", u_ptr="bf16", out_ptr="bf16"),
+             dict(BLOCK=1024, PRECISE=True, BF16=True),
+             floats=("limit",))
+    _compile(_conv_step_kernel, dict(mixed_ptr="bf16", state_ptr="bf16", slot_ptr="i64", w_ptr="bf16", out_ptr="bf16",
+                                     esrc_ptr="bf16", edst_ptr="bf16"),
+             dict(K=4, BLOCK=1024, BLOCK_E=64, HAS_EXTRA=True, PRECISE=True, BF16=True))
+    _compile(_combine_kernel, dict(o_ptr="fp32", m_ptr="fp32", l_ptr="fp32", out_ptr="bf16"),
+             dict(H=64, R=512, SPLITS=17, SPLITS_P2=32, BLOCK_R=128), num_warps=1)
+
+
+@pytest.mark.parametrize("pairs,block_m", [(8, 16), (512, 64), (1024, 64)])
+def test_moe_align_kernel_compiles(pairs, block_m):
+    import triton as _triton
+    from glm5_kernels.moe_align import _align_kernel
+    _compile(_align_kernel, dict(ids_ptr="i64", sorted_ptr="i32", bexp_ptr="i32", total_ptr="i64", scratch_ptr="i32"),
+             dict(E=288, E_PAD=512, P_PAD=max(16, _triton.next_power_of_2(pairs)), BM=block_m, FILL=1024, NB=16))
 
 
 @pytest.mark.parametrize("dtype,precision,block_t", [("bf16", "tf32x3", 64), ("bf16", "tf32x3", 16),

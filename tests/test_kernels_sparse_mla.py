@@ -70,6 +70,12 @@ def test_sparse_mla_decode_interpreter_cpu():
                                   counts=torch.tensor([5, 20], dtype=torch.int32))
         ref5 = sparse_mla_decode_ref(q[:1].double(), lat.double(), idx[:1, :5], 0.3)
         assert ((short[:1].double() - ref5).norm() / ref5.norm()).item() < 1e-4
+        # bf16 (the kernel upcasts under the interpreter), output in the activation dtype from the combine kernel
+        qb, lb = q.bfloat16(), lat.bfloat16()
+        got_b = sparse_mla_decode(qb, lb, idx, 0.3, splits=3, block_h=4, block_k=16, counts=counts,
+                                  out_dtype=torch.bfloat16)
+        ref_b = sparse_mla_decode_ref(qb.double(), lb.double(), idx, 0.3)
+        assert got_b.dtype == torch.bfloat16 and ((got_b.double() - ref_b).norm() / ref_b.norm()).item() < 1e-2
         print("ok", rel)
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(

@@ -7,7 +7,8 @@ For token ``t`` with routed experts ``e_k`` and fp32 weights ``w_k``::
 
 Design (the structure of vLLM's ``fused_moe``, written for separate gate/up tensors):
 
-1. :func:`moe_align_block_size` sorts the ``T*k`` (token, slot) pairs by expert on the device and
+1. :func:`moe_align_block_size` (one launch of :mod:`glm5_kernels.moe_align` for decode-sized
+   batches, :func:`align_routing`) sorts the ``T*k`` (token, slot) pairs by expert on the device and
    pads each expert's group to a multiple of ``BLOCK_M`` so every ``BLOCK_M`` row block belongs to
    exactly one expert. The row buffer is sized for the worst case from shapes alone, and the real
    padded total stays on the device: kernels read it and surplus programs exit at once. No host
@@ -40,6 +41,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,6 +127,19 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     block_expert = torch.searchsorted(pad_end, block_starts, right=True).clamp_(max=num_experts - 1)
     return AlignedRouting(sorted_ids=sorted_ids, block_expert=block_expert.to(torch.int32),
                           total_rows=pad_end[-1:], block_m=block_m, num_pairs=n)
+
+
+def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedRouting:
+    """:func:`moe_align_block_size`, in one Triton launch (:mod:`glm5_kernels.moe_align`) when the batch has at
+    most ``MAX_PAIRS`` (token, slot) pairs and lives on CUDA (decode); the torch ops otherwise."""
+    from glm5_kernels.moe_align import MAX_PAIRS, moe_align_small
+    n = topk_ids.numel()
+    if n == 0 or n > MAX_PAIRS or not (topk_ids.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return moe_align_block_size(topk_ids, num_experts, block_m)
+    sorted_ids, block_expert, total = moe_align_small(topk_ids, num_experts, block_m,
+                                                      max_padded_rows(n, num_experts, block_m))
+    return AlignedRouting(sorted_ids=sorted_ids, block_expert=block_expert, total_rows=total, block_m=block_m,
+                          num_pairs=n)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -521,7 +536,7 @@ def fused_moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
     x = x.contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
-    routing = moe_align_block_size(topk_ids, e, config["BLOCK_SIZE_M"])
+    routing = align_routing(topk_ids, e, config["BLOCK_SIZE_M"])
     h = moe_gate_up(x, w_gate, w_up, routing, top_k, limit, config,
                     scales=None if scales is None else (scales[0], scales[1]))
     y = moe_down(h, w_down, weights, routing, down_config(config), scale=None if scales is None else scales[2])
@@ -530,6 +545,6 @@ def fused_moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
     return y.view(t, top_k, hidden).sum(dim=1)
 
 
-__all__ = ["AlignedRouting", "fused_moe", "moe_align_block_size", "moe_forward_flops_bytes",
+__all__ = ["AlignedRouting", "align_routing", "fused_moe", "moe_align_block_size", "moe_forward_flops_bytes",
            "get_config", "default_config", "select_config", "load_config_table", "config_file_name",
            "max_padded_rows", "moe_gate_up", "moe_down", "down_config", "CONFIG_DIR"]

@@ -8,18 +8,19 @@ caller maps back with ``W_UV``. Keys and values are the same latent rows and the
 (rope dim 0 natively: nothing to pad).
 
 Split-KV (flash-decoding): the index list of each row is cut into ``splits`` pieces processed by
-separate programs that write an un-normalised partial output plus running max / sum; a small torch
-combine merges them. A program handles ``BLOCK_H`` heads of one row, so each gathered latent tile
+separate programs that write an un-normalised partial output plus running max / sum; a second small
+kernel merges them (the torch version of that merge was ~15 elementwise launches per layer) and writes the
+output in the requested dtype. A program handles ``BLOCK_H`` heads of one row, so each gathered latent tile
 is reused by those heads. Indices are trusted (no host sync); ``-1`` entries are skipped.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
+
+from glm5_kernels.kpool import interpreting
 
 
 @triton.jit
@@ -28,7 +29,8 @@ def _sparse_mla_split_kernel(q_ptr, lat_ptr, idx_ptr, cnt_ptr, o_ptr, m_ptr, l_p
                              stride_qn, stride_qh, stride_lat, stride_in,
                              stride_on, stride_os, stride_oh,
                              H: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                             SPLITS: tl.constexpr, IEEE: tl.constexpr, HAS_CNT: tl.constexpr):
+                             SPLITS: tl.constexpr, IEEE: tl.constexpr, HAS_CNT: tl.constexpr,
+                             UPCAST: tl.constexpr = False):
     n = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -36,6 +38,8 @@ def _sparse_mla_split_kernel(q_ptr, lat_ptr, idx_ptr, cnt_ptr, o_ptr, m_ptr, l_p
     offs_r = tl.arange(0, R)
     hmask = offs_h < H
     q = tl.load(q_ptr + n * stride_qn + offs_h[:, None] * stride_qh + offs_r[None, :], mask=hmask[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)          # the interpreter's bf16 dot is wrong; fp32 holds bf16 exactly
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, R], tl.float32)
@@ -50,7 +54,9 @@ def _sparse_mla_split_kernel(q_ptr, lat_ptr, idx_ptr, cnt_ptr, o_ptr, m_ptr, l_p
         valid = slot >= 0
         c = tl.load(lat_ptr + slot.to(tl.int64)[:, None] * stride_lat + offs_r[None, :], mask=valid[:, None],
                     other=0.0)                                                    # [BLOCK_K, R]
-        if IEEE:  # fp32 inputs: full-precision products, not tf32
+        if UPCAST:
+            c = c.to(tl.float32)
+        if IEEE or UPCAST:  # fp32 inputs: full-precision products, not tf32
             s = tl.dot(q, tl.trans(c), input_precision="ieee") * scale
         else:
             s = tl.dot(q, tl.trans(c)) * scale                                  # [BLOCK_H, BLOCK_K]
@@ -60,7 +66,7 @@ def _sparse_mla_split_kernel(q_ptr, lat_ptr, idx_ptr, cnt_ptr, o_ptr, m_ptr, l_p
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
+        if IEEE or UPCAST:
             acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
@@ -72,10 +78,35 @@ def _sparse_mla_split_kernel(q_ptr, lat_ptr, idx_ptr, cnt_ptr, o_ptr, m_ptr, l_p
     tl.store(l_ptr + ml_off, l_i, mask=hmask)
 
 
+@triton.jit
+def _combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, stride_on, stride_os, stride_oh, stride_rn, stride_rh,
+                    H: tl.constexpr, R: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+                    BLOCK_R: tl.constexpr):
+    """out[n, h] = Σ_s e^{m_s - M} o_s / Σ_s e^{m_s - M} l_s over the splits (empty splits: m = -inf, skipped)."""
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    rb = tl.program_id(2)
+    sp = tl.arange(0, SPLITS_P2)
+    smask = sp < SPLITS
+    ml = (n * SPLITS + sp) * H + h
+    m = tl.load(m_ptr + ml, mask=smask, other=float("-inf"))
+    l_ = tl.load(l_ptr + ml, mask=smask, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+    den = tl.maximum(tl.sum(l_ * w, 0), 1e-30)
+    offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    o = tl.load(o_ptr + n * stride_on + sp[:, None] * stride_os + h * stride_oh + offs_r[None, :],
+                mask=smask[:, None], other=0.0)
+    num = tl.sum(o * w[:, None], 0)
+    tl.store(out_ptr + n * stride_rn + h * stride_rh + offs_r, (num / den).to(out_ptr.dtype.element_ty))
+
+
 def sparse_mla_decode(q_lat: torch.Tensor, latent: torch.Tensor, idx: torch.Tensor, scale: float,
                       splits: int | None = None, block_h: int = 16, block_k: int = 32,
-                      counts: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton version of :func:`sparse_mla_decode_ref` (same arguments; returns fp32 ``[N, H, R]``).
+                      counts: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Triton version of :func:`sparse_mla_decode_ref` (same arguments; returns ``[N, H, R]`` in ``out_dtype``,
+    fp32 by default; the layer asks for its activation dtype, saving a cast).
 
     ``q_lat`` and ``latent`` must share a dtype (bf16 or fp32); R must be a power of two. ``counts [N]``
     (optional): row n's valid entries are its first ``counts[n]`` (as select_token_slots writes them);
@@ -102,13 +133,14 @@ def sparse_mla_decode(q_lat: torch.Tensor, latent: torch.Tensor, idx: torch.Tens
         q_lat.stride(0), q_lat.stride(1), latent.stride(0), idx.stride(0),
         o.stride(0), o.stride(1), o.stride(2),
         H=h, R=r, BLOCK_H=block_h, BLOCK_K=block_k, SPLITS=splits, IEEE=q_lat.dtype == torch.float32,
-        HAS_CNT=counts is not None, num_warps=8 if r >= 512 else 4)
-    m_max = m.max(dim=1, keepdim=True).values
-    w = torch.exp(m - torch.where(torch.isinf(m_max), torch.zeros_like(m_max), m_max))  # [N, S, H]
-    w = torch.where(torch.isinf(m), torch.zeros_like(w), w)
-    num = (o * w.unsqueeze(-1)).sum(dim=1)
-    den = (l_ * w).sum(dim=1).clamp(min=1e-30)
-    return num / den.unsqueeze(-1)
+        HAS_CNT=counts is not None, UPCAST=interpreting() and q_lat.dtype != torch.float32,
+        num_warps=8 if r >= 512 else 4)
+    out = torch.empty(n, h, r, device=q_lat.device, dtype=out_dtype)
+    block_r = min(r, 128)
+    _combine_kernel[(n, h, r // block_r)](
+        o, m, l_, out, o.stride(0), o.stride(1), o.stride(2), out.stride(0), out.stride(1),
+        H=h, R=r, SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK_R=block_r, num_warps=1)
+    return out
 
 
 def decode_bytes(n: int, k: int, r: int, h: int, elem: int) -> int:

@@ -157,10 +157,12 @@ class LLMEngine:
     def _log_backends(self) -> None:
         from glm5.layers import backends as b
         dev = self.device
-        logger.info("backends on %s %s: kda=%s prefill_attn=%s decode_attn=%s index=%s moe=%s mhc=%s fp8_linear=%s "
-                    "sampling=%s decode_path=%s", dev, self.dtype, b.kda_backend(dev, self.dtype), b.attn_backend(dev),
-                    b.decode_attn_backend(dev, self.dtype, self.model_config.text.kv_lora_rank),
+        rank = self.model_config.text.kv_lora_rank
+        logger.info("backends on %s %s: kda=%s prefill_attn=%s decode_attn=%s index=%s moe=%s mhc=%s router=%s "
+                    "fuse=%s fp8_linear=%s sampling=%s decode_path=%s", dev, self.dtype, b.kda_backend(dev, self.dtype),
+                    b.attn_backend(dev, self.dtype, rank), b.decode_attn_backend(dev, self.dtype, rank),
                     b.index_backend(dev, self.dtype), b.moe_backend(dev, self.dtype), b.mhc_backend(dev, self.dtype),
+                    b.router_backend(dev, self.dtype), b.fuse_backend(dev, self.dtype),
                     b.fp8_linear_backend(dev, self.dtype), b.sampling_backend(dev),
                     "batched" if self.runner.batched_decode else "per_request")
 

@@ -5,8 +5,12 @@ The choices (each set by ``GLM5_<NAME>_BACKEND`` or :func:`set_backends`):
 * ``kda``: ``torch`` (the reference recurrence / chunked WY form in :mod:`glm5.layers.kda`, runs
   anywhere) or ``fla`` (fla-core's Triton ``chunk_kda`` / ``fused_recurrent_kda`` with the gate, l2
   norms and β sigmoid computed in the kernels, and its ``causal_conv1d`` for prefill; CUDA only).
-* ``attn``: ``torch`` (explicit einsum attention, the CPU reference) or ``sdpa`` (PyTorch's fused
-  scaled-dot-product attention with a boolean selection mask, used for prefill on CUDA).
+* ``attn``: the MLA attention of prefill chunks (and speculative-verification rows): ``torch`` (explicit
+  einsum attention over the selection mask, the CPU reference), ``sdpa`` (PyTorch's fused
+  scaled-dot-product attention with the boolean selection mask, expanded K/V; fp32 on CUDA) or ``triton``
+  (:mod:`glm5_kernels.sparse_mla_prefill`: each query attends only to its selected latent rows, absorbed
+  weights; bf16 on CUDA). Chunks that are dense causal from position 0 run SDPA's causal flash kernel on
+  both CUDA paths.
 * ``decode_attn``: the sparse NoPE MLA decode of the batched decode path — ``triton``, ``flashinfer``
   or ``torch``.
 * ``index``, ``moe``, ``mhc``: our Triton kernels (``glm5_kernels``) or their torch references.
@@ -15,6 +19,13 @@ The choices (each set by ``GLM5_<NAME>_BACKEND`` or :func:`set_backends`):
   the weight on every call, :mod:`glm5_kernels.fp8_ref`).
 * ``spec_kda``: the KDA recurrences of batched speculative verification and its commit
   (:mod:`glm5_kernels.kda_verify`, Triton) or their torch references.
+* ``router``: the MoE router (GEMM, sigmoid, bias, grouped top-k, renormalisation): ``triton``
+  (:mod:`glm5_kernels.router`, one launch, bf16 GEMM with fp32 accumulation; bf16 models on CUDA) or
+  ``torch`` (fp32 GEMM, the reference).
+* ``fuse``: the fused elementwise/normalisation kernels of :mod:`glm5_kernels.norms` and
+  :mod:`glm5_kernels.kda_decode` (RMSNorm, KDA gated output norm, KDA decode conv step, clamped SwiGLU) or
+  their torch references (``norms_ref``, the KDA layer's torch conv). ``auto`` is ``triton`` for bf16 on
+  CUDA and keeps fp32 (the oracle mode) on the torch ops.
 * ``sampling``: ``torch`` or FlashInfer's fused sampling for unseeded rows.
 
 ``auto`` picks the fast path when the tensors live on a CUDA device, the library imports and the
@@ -22,6 +33,8 @@ dtype/shape is one the kernels take, else the torch path (FlashInfer is never au
 :func:`decode_attn_backend`). An explicit choice
 that cannot run raises :class:`BackendUnavailable` naming the reason — never a silent fallback,
 because a silently slower (or differently rounded) path makes benchmark and oracle results lie.
+Under ``TRITON_INTERPRET=1`` an explicit ``triton`` choice also runs on the CPU, through Triton's
+interpreter (tests of the kernels inside the layers; never ``auto``).
 One documented exception inside the fla path: speculative-verification chunks of the per-request path
 (steps that mix verification with prefill) run the reference recurrence, because they must leave the
 state unwritten until the commit; they are a few rows per request. Verification on the batched path
@@ -40,7 +53,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 KDA_CHOICES = ("auto", "torch", "fla")
-ATTN_CHOICES = ("auto", "torch", "sdpa")
+ATTN_CHOICES = ("auto", "torch", "sdpa", "triton")
 DECODE_ATTN_CHOICES = ("auto", "torch", "triton", "flashinfer")
 SAMPLING_CHOICES = ("auto", "torch", "flashinfer")
 MOE_CHOICES = ("auto", "torch", "triton")
@@ -48,6 +61,8 @@ INDEX_CHOICES = ("auto", "torch", "triton")
 MHC_CHOICES = ("auto", "torch", "triton")
 FP8_LINEAR_CHOICES = ("auto", "torch", "triton")
 SPEC_KDA_CHOICES = ("auto", "torch", "triton")
+ROUTER_CHOICES = ("auto", "torch", "triton")
+FUSE_CHOICES = ("auto", "torch", "triton")
 
 _overrides: dict[str, str] = {}
 
@@ -58,14 +73,16 @@ class BackendUnavailable(RuntimeError):
 
 def set_backends(kda: str | None = None, attn: str | None = None, decode_attn: str | None = None,
                  sampling: str | None = None, moe: str | None = None, index: str | None = None,
-                 mhc: str | None = None, fp8_linear: str | None = None, spec_kda: str | None = None) -> None:
+                 mhc: str | None = None, fp8_linear: str | None = None, spec_kda: str | None = None,
+                 router: str | None = None, fuse: str | None = None) -> None:
     """Override the environment for this process (``None`` leaves a setting unchanged)."""
     for name, value, choices in (("kda", kda, KDA_CHOICES), ("attn", attn, ATTN_CHOICES),
                                  ("decode_attn", decode_attn, DECODE_ATTN_CHOICES),
                                  ("sampling", sampling, SAMPLING_CHOICES), ("moe", moe, MOE_CHOICES),
                                  ("index", index, INDEX_CHOICES), ("mhc", mhc, MHC_CHOICES),
                                  ("fp8_linear", fp8_linear, FP8_LINEAR_CHOICES),
-                                 ("spec_kda", spec_kda, SPEC_KDA_CHOICES)):
+                                 ("spec_kda", spec_kda, SPEC_KDA_CHOICES),
+                                 ("router", router, ROUTER_CHOICES), ("fuse", fuse, FUSE_CHOICES)):
         if value is not None:
             _validate(name, value, choices)
             _overrides[name] = value
@@ -186,14 +203,23 @@ def decode_attn_backend(device: torch.device, dtype: torch.dtype | None = None, 
 TRITON_DTYPES = (torch.bfloat16, torch.float32)  # what the index / MoE / mHC kernels are written and tested for
 
 
+def interpreting() -> bool:
+    """``TRITON_INTERPRET=1``: Triton kernels run on the CPU through the interpreter (tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def _triton_or_torch(name: str, choices: tuple[str, ...], device: torch.device,
-                     dtype: torch.dtype | None = None) -> str:
+                     dtype: torch.dtype | None = None, auto_dtypes: tuple[torch.dtype, ...] = TRITON_DTYPES) -> str:
+    """``auto_dtypes``: the dtypes ``auto`` sends to the kernels (a subset of what an explicit choice takes)."""
     want = _requested(name, choices)
     if want == "torch":
         return "torch"
-    err = import_error(TRITON_MODULE) if device.type == "cuda" else "tensors are not on a CUDA device"
+    on_device = device.type == "cuda" or (want == "triton" and interpreting())
+    err = import_error(TRITON_MODULE) if on_device else "tensors are not on a CUDA device"
     if err is None and dtype is not None and dtype not in TRITON_DTYPES:
         err = f"dtype {dtype} (the Triton kernels take bf16 or fp32)"
+    if want == "auto" and err is None and dtype is not None and dtype not in auto_dtypes:
+        return "torch"
     if want == "triton" and err is not None:
         raise BackendUnavailable(f"{name}_backend='triton' cannot run: {err}. Run on CUDA, or set "
                                  f"GLM5_{name.upper()}_BACKEND=torch")
@@ -229,6 +255,21 @@ def spec_kda_backend(device: torch.device, dtype: torch.dtype | None = None) -> 
     return _triton_or_torch("spec_kda", SPEC_KDA_CHOICES, device, dtype)
 
 
+def router_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """``"triton"`` (router GEMM with bf16 products and fp32 accumulation, sigmoid, bias, grouped top-k and
+    renormalisation in one launch) or ``"torch"`` (fp32 GEMM and torch ops, the reference). ``auto`` is triton
+    for bf16 on CUDA, where the router input and weight are bf16 already, so the fp32 GEMM only changes the
+    summation order (expert agreement: docs/gpu.md); fp32 models keep the fp32 router."""
+    return _triton_or_torch("router", ROUTER_CHOICES, device, dtype, auto_dtypes=(torch.bfloat16,))
+
+
+def fuse_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """``"triton"`` or ``"torch"`` for the fused elementwise / normalisation kernels (RMSNorm, the KDA gated
+    output norm and decode conv step, clamped SwiGLU). ``auto``: triton for bf16 on CUDA; fp32 keeps the torch
+    ops whose rounding the fp32 oracle tests pin."""
+    return _triton_or_torch("fuse", FUSE_CHOICES, device, dtype, auto_dtypes=(torch.bfloat16,))
+
+
 def sampling_backend(device: torch.device) -> str:
     """``"flashinfer"`` or ``"torch"`` for sampling rows without a per-request seed (seeded rows always take the
     reproducible torch path). ``auto`` is torch: FlashInfer's fused top-k/top-p sampling is opt-in (its
@@ -243,12 +284,29 @@ def sampling_backend(device: torch.device) -> str:
     return "flashinfer"
 
 
-def attn_backend(device: torch.device) -> str:
-    """``"sdpa"`` or ``"torch"`` for the MLA prefill attention on ``device``."""
+def attn_backend(device: torch.device, dtype: torch.dtype | None = None, latent_width: int | None = None) -> str:
+    """``"triton"``, ``"sdpa"`` or ``"torch"`` for the MLA attention of prefill chunks on ``device``.
+
+    ``auto`` on CUDA: the sparse Triton kernel for bf16 (only the selected (query, key) pairs, no host sync),
+    SDPA for fp32 (expanded K/V as transformers computes them; the fp32 oracle mode), the torch reference on
+    CPU. The kernel needs a power-of-two ``latent_width`` (kv_lora_rank)."""
     want = _requested("attn", ATTN_CHOICES)
     if want == "torch":
         return "torch"
-    if want == "sdpa" and device.type != "cuda":
-        raise BackendUnavailable("attn_backend='sdpa' is the CUDA prefill path; on CPU use GLM5_ATTN_BACKEND=torch "
-                                 "or auto")
-    return "sdpa" if device.type == "cuda" else "torch"
+    if want == "sdpa":
+        if device.type != "cuda":
+            raise BackendUnavailable("attn_backend='sdpa' is the CUDA prefill path; on CPU use "
+                                     "GLM5_ATTN_BACKEND=torch or auto")
+        return "sdpa"
+    err = None
+    if latent_width is not None and (latent_width < 16 or latent_width & (latent_width - 1)):
+        err = f"kv_lora_rank {latent_width} (the sparse prefill kernel takes a power of two >= 16)"
+    if want == "triton":
+        if err is not None:
+            raise BackendUnavailable(f"attn_backend='triton' cannot run: {err}; set GLM5_ATTN_BACKEND=sdpa|torch")
+        return _triton_or_torch("attn", ATTN_CHOICES, device, dtype)
+    if device.type != "cuda":
+        return "torch"
+    if err is None and dtype in (torch.bfloat16, None) and import_error(TRITON_MODULE) is None:
+        return "triton"
+    return "sdpa"

@@ -60,6 +60,35 @@ class DecodeMeta:
 
 
 @dataclass
+class SeqTensors:
+    """Per-request device tensors of a packed (prefill / verification) step, built once from host values and
+    shared by every layer: the requests' cumulative row offsets, their state slots and fla's varlen chunk list
+    of the causal conv (64-row chunks). Built from pinned host memory with asynchronous copies, so making them
+    does not wait for the GPU (a ``torch.tensor(list, device=cuda)`` would: it synchronises the stream)."""
+
+    cu_seqlens: torch.Tensor        # int64 [N + 1]
+    state_slots: torch.Tensor       # int64 [N]
+    conv_chunk_indices: torch.Tensor  # int64 [chunks, 2]: (request, chunk within it), as fla prepares them
+    max_len: int                    # longest request's rows this step (host)
+
+    @classmethod
+    def build(cls, seqs: list[SeqChunk], device: torch.device, chunk: int = 64) -> "SeqTensors":
+        lens = [s.num_tokens for s in seqs]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        chunks = [v for i, n in enumerate(lens) for j in range(-(-n // chunk)) for v in (i, j)]
+        host = torch.tensor(cu + [s.state_slot for s in seqs] + chunks, dtype=torch.int64)
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            host = host.pin_memory()
+        flat = host.to(dev, non_blocking=True)
+        n = len(seqs)
+        return cls(cu_seqlens=flat[: n + 1], state_slots=flat[n + 1: 2 * n + 1],
+                   conv_chunk_indices=flat[2 * n + 1:].view(-1, 2), max_len=max(lens, default=0))
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor          # int64 [T]
     positions: torch.Tensor          # int64 [T]
@@ -76,6 +105,13 @@ class ForwardBatch:
     decode: DecodeMeta | None = None
     # logits rows that score prompt tokens: (chunk index, first logits row, rows, first position)
     prompt_logprob_rows: list[tuple[int, int, int, int]] = field(default_factory=list)
+    _seq_tensors: SeqTensors | None = field(default=None, repr=False)
+
+    def seq_tensors(self, device: torch.device) -> SeqTensors:
+        """:class:`SeqTensors` of :attr:`seqs` on ``device``, built on first use in the step."""
+        if self._seq_tensors is None:
+            self._seq_tensors = SeqTensors.build(self.seqs, device)
+        return self._seq_tensors
 
     @property
     def num_tokens(self) -> int:

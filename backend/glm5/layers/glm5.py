@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import ModelConfig
 from glm5.layers.batch import ForwardBatch
+from glm5.layers.elementwise import rms_norm
 from glm5.layers.kda import KDALayer
 from glm5.layers.linear import Linear
 from glm5.layers.mhc import HyperConnection
@@ -19,7 +20,6 @@ from glm5.layers.mla import MLALayer
 from glm5.layers.mlp import DenseMLP
 from glm5.layers.moe import MoE
 from glm5.layers.vision import VisionTower
-from glm5_kernels.norms_ref import rms_norm
 
 
 class DecoderLayer:

@@ -101,15 +101,16 @@ class KPoolIndexer:
 
         ``shared_pools`` (MTP draft steps with ``index_share_for_mtp_iteration``): the first draft
         step stores its chosen pools there, later steps reuse them instead of scoring again (their
-        own tail is still appended)."""
+        own tail is still appended). Sizes come from the host-side lengths (the last query sees
+        ``total_len // kpool`` complete pools), so nothing here waits for the GPU."""
         kp, device = self.kpool, x.device
         pos = torch.arange(seq.context_len, seq.total_len, device=device)
         n_complete = torch.div(pos + 1, kp, rounding_mode="floor")  # complete pools visible per query
         key_pos = torch.arange(seq.total_len, device=device)
         causal = key_pos[None, :] <= pos[:, None]
-        if int(n_complete.max()) <= self.n_select:
+        n_pools = seq.total_len // kp                               # == n_complete.max()
+        if n_pools <= self.n_select:
             return causal  # every visible pool is selected: dense causal attention
-        n_pools = int(n_complete.max())
         candidate = torch.arange(n_pools, device=device)[None, :] < n_complete[:, None]
         key = (layer, seq.state_slot)
         if shared_pools is not None and key in shared_pools:
@@ -163,6 +164,46 @@ class KPoolIndexer:
         rel = first.view(n, 1) + torch.arange(kp, device=slots.device) - ctx.view(n, 1)     # [n, kpool]
         from_rows = raw.gather(1, rel.clamp(0, t - 1).unsqueeze(-1).expand(-1, -1, raw.shape[-1]))
         cache.tail[layer].index_copy_(0, slots, torch.where((rel < 0).unsqueeze(-1), old, from_rows).to(old.dtype))
+
+    def dense(self, seq: SeqChunk) -> bool:
+        """Every query of ``seq`` attends to every token up to itself (no query sees more complete pools
+        than are selected); host arithmetic."""
+        return seq.total_len // self.kpool <= self.n_select
+
+    def prefill_select(self, x: torch.Tensor, q_resid: torch.Tensor, seq: SeqChunk, positions: torch.Tensor,
+                       cache: HybridCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What :meth:`visible` selects, as per-query latent-row lists for the sparse prefill kernel: ``idx
+        [n, index_topk + kpool - 1]`` int32 (valid rows first, in position order, ``-1`` after) and ``counts
+        [n]`` int32. Same scores and the same choice (top pools by (score, pool id), expanded, plus the
+        query's own incomplete pool) as the decode path (:func:`glm5_kernels.indexer.select_token_slots`),
+        with one block-table row for the whole chunk. Call after :meth:`write` (the chunk's completed pools
+        must be in the cache). Dense chunks (:meth:`dense`) skip the scoring. No host sync."""
+        kp, bs, n = self.kpool, cache.block_size, x.shape[0]
+        triton_path = index_backend(x.device, cache.dtype) == "triton"
+        if triton_path:
+            from glm5_kernels.indexer import indexer_scores, select_token_slots
+        else:
+            from glm5_kernels.indexer_ref import indexer_scores_ref as indexer_scores
+            from glm5_kernels.indexer_ref import select_token_slots_ref as select_token_slots
+        n_complete = torch.div(positions + 1, kp, rounding_mode="floor")
+        max_pools = seq.total_len // kp
+        bt = seq.block_table.to(torch.int32).unsqueeze(0)
+        rows = torch.zeros(n, dtype=torch.int32, device=x.device)
+        if self.dense(seq):
+            # every row takes all its pools: the selection does not read the scores
+            scores = torch.zeros(n, max(max_pools, 1), dtype=torch.float32, device=x.device)
+        else:
+            q = self.wq_b(q_resid).view(n, self.n_heads, self.head_dim)
+            w = self.w_heads(x).float() * self.n_heads ** -0.5
+            pool_scales = cache.pool_scales[layer] if cache.index_fp8 else None
+            scores = indexer_scores(q, w, cache.pool_keys[layer], pool_scales, bt, rows, n_complete,
+                                    cache.pools_per_block, self.head_dim ** -0.5, max_pools)
+        args = (scores, n_complete, positions, bt, rows, self.n_select, kp, bs)
+        if triton_path:
+            counts = torch.empty(n, dtype=torch.int32, device=x.device)
+            return select_token_slots(*args, counts_out=counts), counts
+        from glm5_kernels.indexer_ref import count_selected
+        return select_token_slots(*args), count_selected(positions, self.n_select, kp).to(torch.int32)
 
     # ------------------------------------------------------------------ batched decode
     def decode_select(self, x: torch.Tensor, q_resid: torch.Tensor, raw: torch.Tensor, positions: torch.Tensor,

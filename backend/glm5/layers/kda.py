@@ -17,11 +17,13 @@ import torch.nn.functional as F
 
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import TextConfig
-from glm5.layers.backends import kda_backend
+from glm5.layers.backends import fuse_backend, kda_backend
 from glm5.layers.batch import ForwardBatch
+from glm5.layers.elementwise import gated_rms_norm
 from glm5.layers.linear import Linear
+from glm5_kernels.kda_decode_ref import kda_conv_step_ref
 from glm5_kernels.kda_verify_ref import kda_commit_recurrence_ref, kda_gate, kda_step, kda_verify_recurrence_ref
-from glm5_kernels.norms_ref import gated_rms_norm, l2_normalize
+from glm5_kernels.norms_ref import l2_normalize
 
 CHUNK_SIZE = 64
 RECURRENT_MAX_TOKENS = 8  # decode and speculative verification rows use the plain recurrence
@@ -153,8 +155,7 @@ class KDALayer:
                 and all(s.num_tokens == 1 and not s.record_states for s in batch.seqs)):
             # GPU decode: one vectorised step for the whole batch (rows are in request order); the CPU
             # keeps the per-request conv1d below so its rounding stays that of the reference
-            slots = torch.tensor([s.state_slot for s in batch.seqs], device=mixed.device)
-            return self._conv_step(mixed, slots, conv_state)
+            return self._conv_step(mixed, batch.seq_tensors(mixed.device).state_slots, conv_state)
         out = torch.empty_like(mixed)
         for s in batch.seqs:
             rows = slice(s.start, s.end)
@@ -166,24 +167,26 @@ class KDALayer:
                                         groups=seq_in.shape[1])[0].t())
         return out
 
-    def _conv_fla(self, mixed: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor, cu: torch.Tensor,
-                  slots: torch.Tensor) -> torch.Tensor:
+    def _conv_fla(self, mixed: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor) -> torch.Tensor:
         """:meth:`_conv` through fla's varlen Triton causal conv (SiLU fused, fp32 accumulation): cuDNN's
         depthwise conv1d took ~1 ms per layer for a 4K chunk. fla reads each request's history from an
         ``[N, 3D, K]`` initial state whose last ``K-1`` columns are the cached inputs, oldest first;
-        the cached states are then updated exactly as :meth:`_conv` does. ``cu``: the requests' cumulative
-        row offsets, ``slots``: their state slots (device tensors the caller also hands to the KDA kernels)."""
+        the cached states are then updated exactly as :meth:`_conv` does. The row offsets, slots and fla's
+        chunk list come from :meth:`ForwardBatch.seq_tensors` (built from host lengths: fla would otherwise
+        derive the chunk list from the device offsets, a host sync per call)."""
         if len(batch.seqs) == mixed.shape[0] and all(s.num_tokens == 1 for s in batch.seqs):
             return self._conv(mixed, batch, conv_state)
         from fla.modules.causal_conv1d import causal_conv1d
 
         kconv = self.conv_w.shape[-1]
         dev = mixed.device
-        history = conv_state.index_select(0, slots).to(mixed.dtype)                        # [N, K-1, 3D]
+        meta = batch.seq_tensors(dev)
+        history = conv_state.index_select(0, meta.state_slots).to(mixed.dtype)             # [N, K-1, 3D]
         init = torch.zeros(len(batch.seqs), mixed.shape[1], kconv, device=dev, dtype=mixed.dtype)
         init[:, :, 1:] = history.transpose(1, 2)
         out, _ = causal_conv1d(mixed.unsqueeze(0), weight=self.conv_w.to(mixed.dtype), initial_state=init,
-                               activation="silu", cu_seqlens=cu)
+                               activation="silu", cu_seqlens=meta.cu_seqlens,
+                               chunk_indices=meta.conv_chunk_indices)
         for i, s in enumerate(batch.seqs):
             if s.num_tokens >= kconv - 1:
                 conv_state[s.state_slot].copy_(mixed[s.end - (kconv - 1): s.end])
@@ -193,10 +196,23 @@ class KDALayer:
 
     def _conv_step(self, mixed: torch.Tensor, slots: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
         """One causal-conv step for a batch of single-token rows (row i ↔ state slot ``slots[i]``), updating
-        the conv states; SiLU output ``[N, 3D]``."""
-        window = torch.cat([conv_state.index_select(0, slots).to(mixed.dtype), mixed.unsqueeze(1)], dim=1)  # [N, K, 3D]
-        conv_state.index_copy_(0, slots, window[:, 1:].to(conv_state.dtype))
-        return F.silu((window * self.conv_w.t().to(mixed.dtype).unsqueeze(0)).sum(dim=1))
+        the conv states; SiLU output ``[N, 3D]`` (:func:`glm5_kernels.kda_decode_ref.kda_conv_step_ref`)."""
+        return kda_conv_step_ref(mixed, conv_state, slots, self.conv_w)
+
+    def _qkv_decode(self, mixed: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, conv_state: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv step of a decode batch → (q, k, v ``[N, H, d]``, β logits ``[N, H]``). The fused kernel
+        (:func:`glm5_kernels.kda_decode.kda_conv_step`, one launch) writes q, k, v and β contiguous, as fla's
+        recurrent kernel reads them; the torch path returns views of the reference step's output."""
+        n = mixed.shape[0]
+        if fuse_backend(mixed.device, mixed.dtype) == "triton":
+            from glm5_kernels.kda_decode import kda_conv_step
+            qkv, beta = kda_conv_step(mixed, conv_state, slots, self.conv_w, parts=3, extra=b)
+            q, k, v = (t.view(n, self.heads, self.head_dim) for t in qkv.unbind(0))
+            return q, k, v, beta
+        conv = self._conv_step(mixed, slots, conv_state)  # [N, 3D]
+        q, k, v = conv.view(n, 3, self.heads, self.head_dim).unbind(1)
+        return q, k, v, b
 
     def _core_decode(self, mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
                      conv_state: torch.Tensor, rec_state: torch.Tensor) -> torch.Tensor:
@@ -207,9 +223,8 @@ class KDALayer:
         the l2 norms, the gate and the β sigmoid inside the kernel (same formulas and eps as
         :func:`kda_gate` / ``l2_normalize``: ~20 fewer launches per layer); the torch step is the same
         recurrence vectorised over requests."""
-        conv = self._conv_step(mixed, slots, conv_state)  # [N, 3D]
+        q, k, v, b = self._qkv_decode(mixed, b, slots, conv_state)
         n = mixed.shape[0]
-        q, k, v = conv.view(n, 3, self.heads, self.head_dim).unbind(1)
         scale = self.head_dim ** -0.5
         if kda_backend(mixed.device, mixed.dtype) == "fla":
             from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
@@ -321,30 +336,32 @@ class KDALayer:
         and compute the q/k l2 norms, :func:`kda_gate` and the β sigmoid inside the kernels (same
         formulas and eps): at an 8K prefill the torch versions of those were ~20 fp32 passes over
         ``[T, H·d]`` per layer. ``safe_gate`` (fla's M=16 tensor-core path for gates bounded below)
-        is taken when the config bounds the gate in fla's supported range.
+        is taken when the config bounds the gate in fla's supported range. No host sync: the offsets and
+        slots are :meth:`ForwardBatch.seq_tensors` and ``chunk_kda`` builds its chunk list on the device
+        (``use_graph``: a fixed-size list from the shapes, sentinel rows past the real chunks).
         """
         from fla.ops.kda import chunk_kda
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
         n_tok, dev = mixed.shape[0], mixed.device
-        lens = [s.num_tokens for s in batch.seqs]
-        cu = torch.tensor([0] + lens, device=dev).cumsum(0)
-        slot_t = torch.tensor([s.state_slot for s in batch.seqs], device=dev)
-        conv = self._conv_fla(mixed, batch, conv_state, cu, slot_t)
+        meta = batch.seq_tensors(dev)
+        cu, slot_t = meta.cu_seqlens, meta.state_slots
+        conv = self._conv_fla(mixed, batch, conv_state)
         q, k, v = (t.contiguous().unsqueeze(0) for t in conv.view(n_tok, 3, self.heads, self.head_dim).unbind(1))
         f4 = f.view(1, n_tok, self.heads, self.head_dim)
         b3 = b.contiguous().unsqueeze(0)
         lower = self.cfg.linear_lower_bound
         gate = dict(A_log=self.a_log_flat, dt_bias=self.dt_bias_flat, lower_bound=lower, scale=self.head_dim ** -0.5,
                     use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
-        if max(lens) <= RECURRENT_MAX_TOKENS:
+        if meta.max_len <= RECURRENT_MAX_TOKENS:
             # every step of a request writes its (single) slot: [N, T_max] indices all equal to the slot
-            idx = slot_t.to(torch.int32).unsqueeze(1).expand(-1, max(lens)).contiguous()
+            idx = slot_t.to(torch.int32).unsqueeze(1).expand(-1, meta.max_len).contiguous()
             out, _ = fused_recurrent_kda_fwd(q, k, v, f4, b3, initial_state=rec_state, inplace_final_state=True,
                                              cu_seqlens=cu, ssm_state_indices=idx, out=torch.empty_like(v), **gate)
         else:
             safe = lower is not None and -5.0 <= lower < 0.0
             out, final = chunk_kda(q, k, v, f4.contiguous(), b3, initial_state=rec_state[slot_t].contiguous(),
-                                   output_final_state=True, cu_seqlens=cu, safe_gate=safe, **gate)
+                                   output_final_state=True, cu_seqlens=cu, safe_gate=safe, use_graph=True,
+                                   max_num_seqs=len(batch.seqs), **gate)
             rec_state[slot_t] = final.to(rec_state.dtype)
         return out[0]

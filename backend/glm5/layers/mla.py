@@ -1,10 +1,15 @@
 """NoPE multi-head latent attention restricted by the kpool indexer.
 
-Only the ``kv_lora_rank``-wide normalised latent ``c_kv`` is cached per token. Prefill chunks
-expand it to per-head K/V with ``kv_b_proj`` (``[K_h; V_h] = W_kvb[h] c``); short query runs
-(decode, speculative verification) use the absorbed form: ``q̃_h = W_UKᵀ q_h`` scores the latent
-directly and ``W_UV`` maps the attention-weighted latent back, which touches ``kv_lora_rank``
-numbers per token instead of ``heads·(d_k+d_v)``. No rope anywhere (qk_rope_head_dim = 0).
+Only the ``kv_lora_rank``-wide normalised latent ``c_kv`` is cached per token. Two forms of the same
+attention: expanded (per-head K/V from the latent with ``kv_b_proj``, ``[K_h; V_h] = W_kvb[h] c``) and
+absorbed (``q̃_h = W_UKᵀ q_h`` scores the latent directly and ``W_UV`` maps the attention-weighted latent
+back, which touches ``kv_lora_rank`` numbers per key instead of ``heads·(d_k+d_v)``). Decode and short runs
+(speculative verification) use the absorbed form, on CUDA over each query's gathered selected rows. Prefill
+chunks: on the Triton backend (CUDA bf16) each query attends to its own selected latent rows with the
+absorbed sparse kernel (:mod:`glm5_kernels.sparse_mla_prefill`, which has the FLOP/byte argument); the SDPA
+(CUDA fp32) and torch (CPU reference) backends expand K/V and mask the scores with the indexer's selection.
+Chunks that are dense causal from position 0 run SDPA's causal flash kernel on CUDA. No host sync on the CUDA
+paths; no rope anywhere (qk_rope_head_dim = 0).
 """
 
 from __future__ import annotations
@@ -15,10 +20,10 @@ import torch.nn.functional as F
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import TextConfig
 from glm5.layers.backends import attn_backend, decode_attn_backend
-from glm5.layers.batch import ForwardBatch
+from glm5.layers.batch import ForwardBatch, SeqChunk
+from glm5.layers.elementwise import rms_norm
 from glm5.layers.indexer import KPoolIndexer
 from glm5.layers.linear import Linear, split_heads
-from glm5_kernels.norms_ref import rms_norm
 
 ABSORB_MAX_TOKENS = 8
 
@@ -41,6 +46,7 @@ class MLALayer:
         self.w_uk_t, self.w_uv = split_heads(self.kv_b, self.heads, (self.d_qk, self.d_v), self.q_a_norm.dtype)
         self.scale = self.d_qk ** -0.5
         self.indexer = KPoolIndexer(weights, f"{p}.indexer", cfg)
+        self._kernel_width = self.rank >= 16 and self.rank & (self.rank - 1) == 0  # what the sparse kernel takes
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps
@@ -51,25 +57,69 @@ class MLALayer:
         lat_cache = cache.latent[self.layer]
         if batch.decode is not None:
             return self._decode(x, q_resid, q, latent, raw_index, batch, cache)
+        backend = attn_backend(x.device, x.dtype, self.rank)
         out = torch.empty(x.shape[0], self.heads, self.d_v, dtype=x.dtype, device=x.device)
         for s in batch.seqs:
             rows = slice(s.start, s.end)
             lat_cache[cache.token_slots(s.block_table, batch.positions[rows])] = latent[rows].to(lat_cache.dtype)
             self.indexer.write(raw_index[rows], s, cache, self.layer, batch.records)
-            visible = self.indexer.visible(x[rows], q_resid[rows], s, cache, self.layer,
-                                           batch.shared_pools)  # [n, L]
-            keys_used = visible.any(0).nonzero().squeeze(1)
-            ctx = lat_cache[cache.token_slots(s.block_table, keys_used)].to(x.dtype)  # [L', r]
-            mask = visible[:, keys_used]
-            if s.num_tokens <= ABSORB_MAX_TOKENS:
-                out[rows] = self._absorbed(q[rows], ctx, mask)
-            elif attn_backend(x.device) == "sdpa":
-                out[rows] = self._expanded_sdpa(q[rows], ctx, mask, dense_causal=(
-                    s.context_len == 0 and keys_used.numel() == s.num_tokens
-                    and int(mask.sum()) == s.num_tokens * (s.num_tokens + 1) // 2))  # visible ⊆ causal
+            if backend == "torch":
+                out[rows] = self._attend_reference(x[rows], q_resid[rows], q[rows], s, cache, batch.shared_pools)
+            elif batch.shared_pools is None and (
+                    (backend == "triton" and not self._causal_from_start(s))
+                    or (s.num_tokens <= ABSORB_MAX_TOKENS and self._kernel_width)):
+                # short runs (verification rows, per-request decode) gather their selected rows on both CUDA
+                # paths, as the batched decode does, instead of masking every cached token
+                out[rows] = self._sparse(x[rows], q_resid[rows], q[rows], s, batch.positions[rows], cache)
             else:
-                out[rows] = self._expanded(q[rows], ctx, mask)
+                out[rows] = self._attend_masked(x[rows], q_resid[rows], q[rows], s, cache, batch.shared_pools)
         return self.o_proj(out.reshape(x.shape[0], -1))
+
+    def _causal_from_start(self, s: SeqChunk) -> bool:
+        """A chunk from position 0 whose queries all attend densely: SDPA's causal flash kernel (expanded K/V,
+        half the FLOPs per pair of the absorbed form) is the cheapest way to compute it."""
+        return s.context_len == 0 and s.num_tokens > ABSORB_MAX_TOKENS and self.indexer.dense(s)
+
+    def _attend_reference(self, x: torch.Tensor, q_resid: torch.Tensor, q: torch.Tensor, s: SeqChunk,
+                          cache: HybridCache, shared_pools: dict | None) -> torch.Tensor:
+        """The CPU reference: the selection mask over the keys some query of the chunk uses (the ``nonzero``
+        compaction keeps the fp32 sums exactly those of transformers), absorbed for short runs."""
+        lat_cache = cache.latent[self.layer]
+        visible = self.indexer.visible(x, q_resid, s, cache, self.layer, shared_pools)  # [n, L]
+        keys_used = visible.any(0).nonzero().squeeze(1)
+        ctx = lat_cache[cache.token_slots(s.block_table, keys_used)].to(x.dtype)  # [L', r]
+        mask = visible[:, keys_used]
+        if s.num_tokens <= ABSORB_MAX_TOKENS:
+            return self._absorbed(q, ctx, mask)
+        return self._expanded(q, ctx, mask)
+
+    def _attend_masked(self, x: torch.Tensor, q_resid: torch.Tensor, q: torch.Tensor, s: SeqChunk,
+                       cache: HybridCache, shared_pools: dict | None) -> torch.Tensor:
+        """CUDA masked path (SDPA prefill chunks; also the Triton backend's dense-from-0 chunks and MTP draft
+        steps that share pools): the selection mask over every cached token of the request, sizes from the
+        host — no host sync. Dense chunks from position 0 run the causal flash kernel."""
+        lat_cache = cache.latent[self.layer]
+        keys = torch.arange(s.total_len, device=x.device)
+        ctx = lat_cache[cache.token_slots(s.block_table, keys)].to(x.dtype)  # [L, r]
+        if self._causal_from_start(s):
+            return self._expanded_sdpa(q, ctx, None)
+        visible = self.indexer.visible(x, q_resid, s, cache, self.layer, shared_pools)  # [n, L]
+        if s.num_tokens <= ABSORB_MAX_TOKENS:
+            return self._absorbed(q, ctx, visible)
+        return self._expanded_sdpa(q, ctx, visible)
+
+    def _sparse(self, x: torch.Tensor, q_resid: torch.Tensor, q: torch.Tensor, s: SeqChunk,
+                positions: torch.Tensor, cache: HybridCache) -> torch.Tensor:
+        """Per-query latent-row lists from the indexer, then the sparse absorbed attention
+        (:mod:`glm5_kernels.sparse_mla_prefill`; IEEE products in fp32) — only the selected (query, key) pairs,
+        no host sync.
+        ``q̃ = W_UKᵀ q`` and ``W_UV õ`` are the absorbed per-head linears (bf16 or fp8, ``split_heads``)."""
+        from glm5_kernels.sparse_mla_prefill import sparse_mla_prefill
+        idx, counts = self.indexer.prefill_select(x, q_resid, s, positions, cache, self.layer)
+        q_lat = self.w_uk_t(q)                                                        # [n, h, r]
+        o_lat = torch.empty_like(q_lat)
+        sparse_mla_prefill(q_lat, cache.latent[self.layer], idx, counts, self.scale, out=o_lat)
+        return self.w_uv(o_lat)                                                       # [n, h, d_v]
 
     def _decode(self, x: torch.Tensor, q_resid: torch.Tensor, q: torch.Tensor, latent: torch.Tensor,
                 raw_index: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
@@ -85,7 +135,7 @@ class MLALayer:
         backend = decode_attn_backend(x.device, x.dtype, self.rank)
         if backend == "triton":
             from glm5_kernels.sparse_mla_decode import sparse_mla_decode
-            o_lat = sparse_mla_decode(q_lat, lat_cache, idx, self.scale, counts=counts)
+            o_lat = sparse_mla_decode(q_lat, lat_cache, idx, self.scale, counts=counts, out_dtype=x.dtype)
         elif backend == "flashinfer":
             if meta.flashinfer is None:
                 raise RuntimeError("decode_attn_backend is flashinfer but the step was not planned: the model "
@@ -114,18 +164,17 @@ class MLALayer:
         probs = self._softmax(scores, mask, q.dtype)
         return torch.einsum("hnl,lhd->nhd", probs, v)
 
-    def _expanded_sdpa(self, q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor,
-                       dense_causal: bool) -> torch.Tensor:
+    def _expanded_sdpa(self, q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Same function as :meth:`_expanded` through PyTorch's fused attention (CUDA prefill).
 
-        A chunk whose selection is the full causal triangle runs the flash kernel (``is_causal``);
-        otherwise the boolean selection mask goes to the memory-efficient kernel, so the
+        ``mask=None``: the chunk's selection is the full causal triangle from position 0, so the flash kernel
+        runs (``is_causal``); otherwise the boolean selection mask goes to the memory-efficient kernel, so the
         ``[heads, n, L]`` score matrix is never materialised.
         """
         kv = self.kv_b(ctx).view(-1, self.heads, self.d_qk + self.d_v)
         k, v = (t.transpose(0, 1).unsqueeze(0) for t in kv.split([self.d_qk, self.d_v], dim=-1))
         qh = q.transpose(0, 1).unsqueeze(0)
-        if dense_causal:
+        if mask is None:
             o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=self.scale)
         else:
             o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask[None, None], scale=self.scale)

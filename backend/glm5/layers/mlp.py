@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from glm5.layers.elementwise import clamped_swiglu
 from glm5.layers.linear import Linear
-from glm5_kernels.moe_ref import clamped_swiglu_ref as clamped_swiglu
 
 
 def swiglu_mlp(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor, limit: float,

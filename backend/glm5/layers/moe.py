@@ -1,9 +1,10 @@
-"""Mixture of experts: fp32 sigmoid router with a selection-only bias, grouped top-k, routed + shared.
+"""Mixture of experts: sigmoid router with a selection-only bias, grouped top-k, routed + shared.
 
-Routing (model-spec §6): scores = sigmoid(x·Wᵀ) in fp32; the correction bias is added only to pick
-experts; group scores are the sum of the top-2 biased scores per group and only ``topk_group``
-groups stay eligible; the kept weights are the *unbiased* scores, renormalised, times
-``routed_scaling_factor``. The shared expert is added unscaled.
+Routing (model-spec §6, :mod:`glm5_kernels.router_ref`): scores = sigmoid(x·Wᵀ) in fp32; the correction
+bias is added only to pick experts; group scores are the sum of the top-2 biased scores per group and only
+``topk_group`` groups stay eligible; the kept weights are the *unbiased* scores, renormalised, times
+``routed_scaling_factor``. The shared expert is added unscaled. On CUDA in bf16 the whole router is one
+Triton launch (:mod:`glm5_kernels.router`); the torch path keeps the fp32 GEMM.
 """
 
 from __future__ import annotations
@@ -11,13 +12,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from glm5.config import TextConfig
-from glm5.layers.backends import moe_backend
+from glm5.layers.backends import moe_backend, router_backend
 from glm5.layers.mlp import DenseMLP
 from glm5_kernels.fp8_ref import SCALE_SUFFIX
 from glm5_kernels.moe_ref import fused_moe_ref
+from glm5_kernels.router_ref import route_ref
+
+
+class RouterWorkspace:
+    """Lazy handle on :class:`glm5_kernels.router.RouterWorkspace` (the Triton import waits for first use)."""
+
+    def __init__(self) -> None:
+        self._ws = None
+
+    def semaphores(self, n: int, device: torch.device) -> torch.Tensor:
+        if self._ws is None:
+            from glm5_kernels.router import RouterWorkspace as _Workspace
+            self._ws = _Workspace()
+        return self._ws.semaphores(n, device)
 
 
 @dataclass
@@ -26,22 +40,20 @@ class RoutingResult:
     experts: torch.Tensor  # [T, top_k] int64
 
 
-def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, cfg: TextConfig) -> RoutingResult:
-    logits = F.linear(x.float(), gate_w.float())
-    scores = logits.sigmoid()
-    choice = scores + bias.float()
-    n_tok, n_exp = choice.shape
-    if cfg.n_group > 1:
-        grouped = choice.view(n_tok, cfg.n_group, n_exp // cfg.n_group)
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
-        keep = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-        choice = choice.masked_fill(~group_mask.repeat_interleave(n_exp // cfg.n_group, dim=1), float("-inf"))
-    experts = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False).indices
-    weights = scores.gather(1, experts)
-    if cfg.norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return RoutingResult(weights=weights * cfg.routed_scaling_factor, experts=experts)
+def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, cfg: TextConfig,
+          gate_w_model: torch.Tensor | None = None, workspace: "RouterWorkspace | None" = None) -> RoutingResult:
+    """Route ``x [T, H]``: the fused Triton router (:mod:`glm5_kernels.router`, bf16 GEMM with fp32
+    accumulation, one launch) when :func:`router_backend` picks it and ``gate_w_model`` (the weight in x's
+    dtype) and a ``workspace`` are given, else the fp32 torch reference (``gate_w`` fp32). Both break ties
+    towards the lower expert id (:mod:`glm5_kernels.router_ref`)."""
+    args = (cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    if (gate_w_model is not None and workspace is not None and gate_w_model.dtype == x.dtype
+            and router_backend(x.device, x.dtype) == "triton"):
+        from glm5_kernels.router import router_topk
+        weights, experts = router_topk(x, gate_w_model, bias, *args, workspace=workspace)
+    else:
+        weights, experts = route_ref(x, gate_w, bias, *args)
+    return RoutingResult(weights=weights, experts=experts)
 
 
 class MoE:
@@ -53,8 +65,10 @@ class MoE:
 
     def __init__(self, weights: dict[str, torch.Tensor], prefix: str, cfg: TextConfig):
         self.cfg = cfg
-        # the router runs in fp32: convert once here, not on every step (5 conversions per decode step)
-        self.gate_w = weights[f"{prefix}.gate.weight"].float()
+        # the torch router runs in fp32: convert once here, not on every step; the Triton router reads the
+        # checkpoint's (model dtype) weight with fp32 accumulation
+        self.gate_w_model = weights[f"{prefix}.gate.weight"]
+        self.gate_w = self.gate_w_model.float()
         self.bias = weights[f"{prefix}.gate.e_score_correction_bias"].float()
         self.w_gate = weights[f"{prefix}.experts.gate_proj"]
         self.w_up = weights[f"{prefix}.experts.up_proj"]
@@ -65,9 +79,10 @@ class MoE:
                              f"{[s is not None for s in scales]}); load with quantization=none or fp8")
         self.scales = None if scales[0] is None else tuple(scales)
         self.shared = DenseMLP(weights, f"{prefix}.shared_experts", cfg.swiglu_limit)
+        self.router_workspace = RouterWorkspace()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        routing = route(x, self.gate_w, self.bias, self.cfg)
+        routing = route(x, self.gate_w, self.bias, self.cfg, self.gate_w_model, self.router_workspace)
         shared = self.shared(x)
         if moe_backend(x.device, x.dtype) == "triton":
             from glm5_kernels.fused_moe import fused_moe
