@@ -19,23 +19,28 @@ def clamped_swiglu_ref(gate: torch.Tensor, up: torch.Tensor, limit: float) -> to
 
 def fused_moe_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, swiglu_limit: float,
-                  compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  compute_dtype: torch.dtype | None = None, expert_map: torch.Tensor | None = None) -> torch.Tensor:
     """Per-expert loop: ``x [T, H]`` → ``[T, H]`` = Σ_k w_k · W_down[e_k] @ clamped_swiglu(...).
 
     Computes in ``x.dtype`` (accumulating the k slots in fp32) and returns ``x.dtype`` unless ``compute_dtype``
     is given; then each expert's weights are upcast one at a time (no full fp64 copy of the experts) and the
     result is returned in ``compute_dtype`` — the oracle for kernel tests and the tuner. Syncs with the host
-    once per touched expert: the CPU path, not for GPU serving."""
+    once per touched expert: the CPU path, not for GPU serving. ``expert_map`` as in
+    :func:`glm5_kernels.fused_moe.fused_moe`: ids → local experts, ``-1`` skipped (a partial sum)."""
     dt = compute_dtype or x.dtype
     t, h = x.shape
     k = topk_ids.shape[1]
     acc_dt = torch.float64 if dt == torch.float64 else torch.float32
     out = torch.zeros(t, h, dtype=acc_dt, device=x.device)
     flat_e = topk_ids.reshape(-1)
+    if expert_map is not None:
+        flat_e = expert_map.index_select(0, flat_e.long())
     token_of = torch.arange(t, device=x.device).repeat_interleave(k)
     flat_w = topk_weights.reshape(-1).to(acc_dt)
     xc = x.to(dt)
     for e in torch.unique(flat_e).tolist():
+        if e < 0:
+            continue
         sel = (flat_e == e).nonzero().squeeze(1)
         toks = token_of[sel]
         xe = xc[toks]

@@ -149,10 +149,14 @@ class AsyncLLMEngine:
         return self._stats
 
     def shutdown(self) -> None:
-        """Stop the loop thread; requests still in flight end with finish_reason ``"abort"``."""
+        """Stop the loop thread; requests still in flight end with finish_reason ``"abort"``. Then the engine's
+        own resources (a distributed engine's worker processes)."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=30)
+        stop = getattr(self.engine, "shutdown", None)  # engines handed in by tests may not have one
+        if stop is not None:
+            stop()
 
     # ------------------------------------------------------------------ loop thread
     def _handle(self, cmd) -> None:

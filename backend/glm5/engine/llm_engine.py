@@ -65,9 +65,12 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(args.model)
         text = self.model_config.text
         check_block_size(args.block_size, text.index_kpool)
-        if weights is None:
+        if weights is None and not args.uses_executor:
             weights = load_weights(args.model, self.model_config, device=self.device, dtype=self.dtype,
                                    progress=args.load_progress, allow_missing_mtp=args.num_speculative_tokens == 0)
+        elif weights is not None and args.uses_executor:
+            raise ValueError("weights cannot be handed to a distributed engine (each rank loads its own shard from "
+                             "args.model); drop the weights argument or run with tensor_parallel_size=1")
         self.tokenizer = self._load_tokenizer(args.model)
         cache_cfg = CacheConfig(block_size=args.block_size, num_blocks=self._num_blocks(args),
                                 num_state_slots=args.max_num_seqs)
@@ -79,9 +82,14 @@ class LLMEngine:
         if self.max_model_len < args.max_model_len:
             logger.warning("max_model_len %d exceeds the cache (%d blocks x %d tokens): capped to %d",
                            args.max_model_len, cache_cfg.num_blocks, cache_cfg.block_size, self.max_model_len)
-        self.runner = ModelRunner(self.model_config, weights, cache_cfg, self.device, self.dtype,
-                                  use_mtp=args.num_speculative_tokens > 0, index_fp8=args.index_cache == "fp8",
-                                  max_model_len=self.max_model_len, decode_path=args.decode_path)
+        if args.uses_executor:  # one process per device; this one is rank 0 (glm5.engine.executor)
+            from glm5.engine.executor import DistributedRunner
+            self.runner = DistributedRunner.start(args, self.model_config, cache_cfg, self.max_model_len)
+            self.device = self.runner.device
+        else:
+            self.runner = ModelRunner(self.model_config, weights, cache_cfg, self.device, self.dtype,
+                                      use_mtp=args.num_speculative_tokens > 0, index_fp8=args.index_cache == "fp8",
+                                      max_model_len=self.max_model_len, decode_path=args.decode_path)
         self._log_backends()
         if self.device.type == "cuda" and not args.enforce_eager:
             self.runner.capture_cuda_graphs(args.cuda_graph_max_batch or args.max_num_seqs)
@@ -89,7 +97,7 @@ class LLMEngine:
         self.blocks = BlockAllocator(cache_cfg.num_blocks)
         self.slots = SlotAllocator(cache_cfg.num_state_slots)
         self.scheduler = Scheduler(self.blocks, self.slots, args.block_size, args.max_num_seqs,
-                                   args.max_num_batched_tokens, on_slot_allocated=self.runner.cache.reset_slot)
+                                   args.max_num_batched_tokens, on_slot_allocated=self.runner.reset_slot)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         self._requests: dict[str, _RequestState] = {}
         self._pending_outputs: list[RequestOutput] = []
@@ -403,6 +411,13 @@ class LLMEngine:
             self.finished_total += 1
             del self._requests[seq.request_id]
         return self._output(st, accepted, text, finished, lps or None)
+
+    def shutdown(self) -> None:
+        """Release what the engine holds outside this process: the distributed executor's workers and process
+        group (a single-device engine holds nothing; idempotent)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     # ------------------------------------------------------------------ stats and offline API
     def stats(self) -> EngineStats:

@@ -11,16 +11,19 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
 from glm5.cache.hybrid_cache import CacheConfig, HybridCache
 from glm5.config import ModelConfig
+from glm5.distributed import ParallelContext
 from glm5.engine.cuda_graph import DecodeAttentionPlanner, DecodeGraphRunner, DecodeRows, DecodeStager, graph_buckets
 from glm5.engine.scheduler import SchedulerOutput
 from glm5.engine.sequence import MultiModalData, Sequence
 from glm5.layers.batch import ForwardBatch, SeqChunk
 from glm5.layers.glm5 import Glm5ForCausalLM, ModelOutput
+from glm5.layers.moe import MoE, RebalanceReport, rebalance_experts
 from glm5.layers.mtp import MissingMTPWeights, MTPLayer
 from glm5.layers.vision import flatten_video_grid
 
@@ -60,6 +63,31 @@ class EncoderCache:
 DECODE_PATHS = ("auto", "batched", "per_request")
 
 
+@dataclass
+class ChunkSpec:
+    """One request's rows of a packed step, as host values (what :class:`SeqChunk` is built from)."""
+
+    start: int
+    num_tokens: int
+    context_len: int
+    block_table: list[int]
+    state_slot: int
+    record_states: bool = False
+
+
+@dataclass
+class PackedStep:
+    """A packed forward pass as plain host data: what the driver sends to every rank of a distributed engine
+    (small and picklable; each rank builds its :class:`ForwardBatch` from it on its own device)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    chunks: list[ChunkSpec]
+    logits_rows: list[int]
+    mm_rows: list[int] | None = None
+    mm_embeds: torch.Tensor | None = None   # [M, H] on the host
+
+
 class ModelRunner:
     """``decode_path``: ``batched`` runs pure decode steps (one token per request, no drafts) through
     the batch-wide, sync-free path (:class:`~glm5.layers.batch.DecodeMeta`), ``per_request`` through the
@@ -68,11 +96,14 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], cache_cfg: CacheConfig,
                  device: torch.device, dtype: torch.dtype, use_mtp: bool = False, index_fp8: bool = False,
-                 max_model_len: int | None = None, decode_path: str = "auto"):
+                 max_model_len: int | None = None, decode_path: str = "auto", par: ParallelContext | None = None):
+        """``par``: this rank's place in a tensor/expert-parallel engine (``weights`` are then its shards);
+        default a single device."""
         if decode_path not in DECODE_PATHS:
             raise ValueError(f"decode_path={decode_path!r}: choose one of {', '.join(DECODE_PATHS)}")
         self.cfg, self.device, self.dtype = cfg, device, dtype
-        self.model = Glm5ForCausalLM(cfg, weights)
+        self.par = par = par or ParallelContext.single()
+        self.model = Glm5ForCausalLM(cfg, weights, par)
         self.mtp: MTPLayer | None = None
         mla_layers = list(cfg.text.mla_layer_ids)
         if use_mtp:
@@ -80,9 +111,10 @@ class ModelRunner:
                 raise MissingMTPWeights("speculative decoding needs an MTP layer, but the config declares "
                                         "num_nextn_predict_layers = 0; set num_speculative_tokens=0")
             layer = cfg.text.mtp_layer_ids[0]
-            self.mtp = MTPLayer(cfg, weights, layer, self.model.embed, self.model.lm_head)
+            self.mtp = MTPLayer(cfg, weights, layer, self.model.embed, self.model.lm_head, par)
             mla_layers.append(layer)
-        self.cache = HybridCache(cfg.text, cache_cfg, device, dtype, mla_layers=mla_layers, index_fp8=index_fp8)
+        self.cache = HybridCache(cfg.text, cache_cfg, device, dtype, mla_layers=mla_layers, index_fp8=index_fp8,
+                                 kda_heads=cfg.text.linear_num_heads // par.tp_size)
         self.encoder_cache = EncoderCache()
         self.vision_calls = 0
         self.batched_decode = decode_path == "batched" or (decode_path == "auto" and device.type == "cuda")
@@ -172,10 +204,11 @@ class ModelRunner:
             mm.positions, mm.embeds = pos[order], emb[order]
 
     # ------------------------------------------------------------------ step
-    def prepare(self, sched: SchedulerOutput) -> tuple[ForwardBatch, list[tuple[int, int, int]]]:
-        """Pack the step. Also returns, per sampling chunk, ``(chunk index, first logits row, rows)``:
-        one row for a plain chunk, ``1 + drafts`` for a verification chunk."""
-        ids, pos, seqs, logit_rows, sample_idx = [], [], [], [], []
+    def pack(self, sched: SchedulerOutput) -> tuple[PackedStep, list[tuple[int, int, int]]]:
+        """The step as host data (vision embeddings computed first). Also returns, per sampling chunk,
+        ``(chunk index, first logits row, rows)``: one row for a plain chunk, ``1 + drafts`` for a verification
+        chunk."""
+        ids, pos, chunks, logit_rows, sample_idx = [], [], [], [], []
         mm_rows, mm_embeds = [], []
         start = 0
         self.encode_multimodal([c.seq for c in sched.chunks])
@@ -187,35 +220,57 @@ class ModelRunner:
             else:
                 ids.extend(s.tokens(lo, hi))
             pos.extend(range(lo, hi))
-            seqs.append(SeqChunk(start=start, num_tokens=c.num_tokens, context_len=lo,
-                                 block_table=torch.tensor(s.block_table, dtype=torch.long, device=self.device),
-                                 state_slot=s.state_slot, record_states=c.num_drafts > 0))
+            chunks.append(ChunkSpec(start=start, num_tokens=c.num_tokens, context_len=lo,
+                                    block_table=list(s.block_table), state_slot=s.state_slot,
+                                    record_states=c.num_drafts > 0))
             if s.mm is not None and s.mm.positions is not None:
                 sel = (s.mm.positions >= lo) & (s.mm.positions < hi)
                 if sel.any():
-                    mm_rows.append(s.mm.positions[sel] - lo + start)
+                    mm_rows.extend((s.mm.positions[sel] - lo + start).tolist())
                     mm_embeds.append(s.mm.embeds[sel])
             if c.samples:
                 n_rows = 1 + c.num_drafts
                 sample_idx.append((ci, len(logit_rows), n_rows))
                 logit_rows.extend(range(start + c.num_tokens - n_rows, start + c.num_tokens))
             start += c.num_tokens
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(pos, dtype=torch.long, device=self.device),
-            seqs=seqs,
-            logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=self.device),
-            mm_embeds=torch.cat(mm_embeds).to(self.device) if mm_embeds else None,
-            mm_rows=torch.cat(mm_rows).to(self.device) if mm_rows else None,
-        )
-        return batch, sample_idx
+        step = PackedStep(input_ids=ids, positions=pos, chunks=chunks, logits_rows=logit_rows,
+                          mm_rows=mm_rows or None, mm_embeds=torch.cat(mm_embeds).cpu() if mm_embeds else None)
+        return step, sample_idx
+
+    def batch_from(self, step: PackedStep, shared_pools: dict | None = None) -> ForwardBatch:
+        """The :class:`ForwardBatch` of a packed step on this runner's device."""
+        dev = self.device
+        return ForwardBatch(
+            input_ids=torch.tensor(step.input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(step.positions, dtype=torch.long, device=dev),
+            seqs=[SeqChunk(start=c.start, num_tokens=c.num_tokens, context_len=c.context_len,
+                           block_table=torch.tensor(c.block_table, dtype=torch.long, device=dev),
+                           state_slot=c.state_slot, record_states=c.record_states) for c in step.chunks],
+            logits_indices=torch.tensor(step.logits_rows, dtype=torch.long, device=dev),
+            mm_embeds=step.mm_embeds.to(dev) if step.mm_embeds is not None else None,
+            mm_rows=torch.tensor(step.mm_rows, dtype=torch.long, device=dev) if step.mm_rows else None,
+            shared_pools=shared_pools)
+
+    def prepare(self, sched: SchedulerOutput) -> tuple[ForwardBatch, list[tuple[int, int, int]]]:
+        """Pack the step into a device batch (see :meth:`pack`)."""
+        step, sample_idx = self.pack(sched)
+        return self.batch_from(step), sample_idx
+
+    def forward_packed(self, step: PackedStep) -> tuple[ForwardBatch, ModelOutput]:
+        batch = self.batch_from(step)
+        return batch, self.model.forward(batch, self.cache)
 
     def execute(self, sched: SchedulerOutput) -> tuple[ForwardBatch, ModelOutput, list[tuple[int, int, int]]]:
         rows = self._decode_rows(sched) if self.batched_decode else None
         if rows is not None:
             return self._execute_decode(sched, rows)
-        batch, sample_idx = self.prepare(sched)
-        return batch, self.model.forward(batch, self.cache), sample_idx
+        step, sample_idx = self.pack(sched)
+        batch, out = self.forward_packed(step)
+        return batch, out, sample_idx
+
+    def reset_slot(self, slot: int) -> None:
+        """Zero a state slot before a new request uses it (the scheduler's callback)."""
+        self.cache.reset_slot(slot)
 
     # ------------------------------------------------------------------ batched decode / CUDA graphs
     def capture_cuda_graphs(self, max_batch: int | None = None) -> str | None:
@@ -231,6 +286,8 @@ class ModelRunner:
             reason = "the torch MoE (per-expert loop) syncs with the host; use moe_backend=triton"
         elif index_backend(self.device, self.dtype) != "triton":
             reason = "index_backend is torch"
+        elif self.par.config.expert_parallel and self.par.config.ep_dispatch == "all2all":
+            reason = "ep_dispatch=all2all exchanges its send sizes on the host; use allgather_reducescatter"
         if reason is not None:
             logger.info("decode CUDA graphs off: %s", reason)
             return reason
@@ -256,14 +313,17 @@ class ModelRunner:
             rows.block_tables.append(s.block_table)
         return rows
 
-    def _execute_decode(self, sched: SchedulerOutput, rows: DecodeRows
-                        ) -> tuple[ForwardBatch, ModelOutput, list[tuple[int, int, int]]]:
+    def forward_decode(self, rows: DecodeRows) -> tuple[ForwardBatch, ModelOutput]:
+        """A pure decode step on the batched path: a captured graph when one fits, else staged and run eagerly."""
         n = len(rows)
         if self.graphs is not None and self.graphs.bucket_for(n) is not None:
-            batch, out = self.graphs.run(rows)
-        else:
-            batch = self.stager.stage(rows, n, self._prepare_decode)
-            out = self.model.forward(batch, self.cache)
+            return self.graphs.run(rows)
+        batch = self.stager.stage(rows, n, self._prepare_decode)
+        return batch, self.model.forward(batch, self.cache)
+
+    def _execute_decode(self, sched: SchedulerOutput, rows: DecodeRows
+                        ) -> tuple[ForwardBatch, ModelOutput, list[tuple[int, int, int]]]:
+        batch, out = self.forward_decode(rows)
         if self.mtp is not None:  # the MTP proposal reads each request's rows from batch.seqs
             meta = batch.decode
             # block_table here: the request's row of the padded int32 decode buffer (valid for this step only)
@@ -272,6 +332,21 @@ class ModelRunner:
                           for i, (p, slot) in enumerate(zip(rows.positions, rows.state_slots))]
         sample_idx = [(ci, ci, 1) for ci, c in enumerate(sched.chunks) if c.samples]
         return batch, out, sample_idx
+
+    # ------------------------------------------------------------------ expert-parallel load balancing
+    def moe_layers(self) -> list[MoE]:
+        layers = self.model.moe_layers()
+        if self.mtp is not None and isinstance(self.mtp.mlp, MoE):
+            layers.append(self.mtp.mlp)
+        return layers
+
+    def rebalance_experts(self) -> RebalanceReport:
+        """One EPLB rebalance of every MoE layer (all ranks together; see :func:`glm5.layers.moe.rebalance_experts`)."""
+        report = rebalance_experts(self.moe_layers(), self.par)
+        logger.info("EPLB: %d/%d MoE layers re-placed, rank imbalance %.3f -> %.3f, %.1f MiB received",
+                    report.moved_layers, report.layers, report.imbalance_before, report.imbalance_after,
+                    report.bytes_received / 2**20)
+        return report
 
     # ------------------------------------------------------------------ speculative decoding
     def rollback(self, batch: ForwardBatch, state_slot: int, valid_rows: int) -> None:
@@ -284,32 +359,31 @@ class ModelRunner:
             else:
                 rec.restore(self.cache.tail[layer][slot], valid_rows)
 
-    def _mtp_batch(self, entries: list[tuple[Sequence, int, list[int]]], want_logits: list[bool],
-                   shared_pools: dict | None) -> ForwardBatch:
-        ids, pos, seqs, rows = [], [], [], []
+    @staticmethod
+    def pack_mtp(entries: list[tuple[Sequence, int, list[int]]], want_logits: list[bool]) -> PackedStep:
+        ids, pos, chunks, rows = [], [], [], []
         start = 0
         for (seq, lo, next_tokens), want in zip(entries, want_logits):
             n = len(next_tokens)
             ids.extend(next_tokens)
             pos.extend(range(lo, lo + n))
-            seqs.append(SeqChunk(start=start, num_tokens=n, context_len=lo,
-                                 block_table=torch.tensor(seq.block_table, dtype=torch.long, device=self.device),
-                                 state_slot=seq.state_slot))
+            chunks.append(ChunkSpec(start=start, num_tokens=n, context_len=lo, block_table=list(seq.block_table),
+                                    state_slot=seq.state_slot))
             if want:
                 rows.append(start + n - 1)
             start += n
-        return ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-                            positions=torch.tensor(pos, dtype=torch.long, device=self.device), seqs=seqs,
-                            logits_indices=torch.tensor(rows, dtype=torch.long, device=self.device),
-                            shared_pools=shared_pools)
+        return PackedStep(input_ids=ids, positions=pos, chunks=chunks, logits_rows=rows)
+
+    def mtp_forward_packed(self, step: PackedStep, hidden: torch.Tensor,
+                           shared_pools: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.mtp.forward(self.batch_from(step, shared_pools), hidden, self.cache)
 
     def mtp_forward(self, entries: list[tuple[Sequence, int, list[int]]], hidden: torch.Tensor,
                     want_logits: list[bool], shared_pools: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the MTP layer on rows ``(seq, first position, next tokens)``; ``hidden`` holds the matching
         target (or recycled) hidden rows in the same order. Returns (logits of the last row of every
         entry with ``want_logits``, recycled hidden of every row)."""
-        batch = self._mtp_batch(entries, want_logits, shared_pools)
-        return self.mtp.forward(batch, hidden, self.cache)
+        return self.mtp_forward_packed(self.pack_mtp(entries, want_logits), hidden, shared_pools)
 
     def snapshot_mtp_tails(self, slots: list[int]) -> torch.Tensor:
         layer = self.mtp.layer

@@ -26,7 +26,8 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from glm5.config import ModelConfig
-from glm5.weights.files import FP8_CODES, TensorInfo, find_weight_files, read_header
+from glm5.distributed.sharding import ShardIndex, WeightSharding
+from glm5.weights.files import FP8_CODES, ST_DTYPES, TensorInfo, find_weight_files, read_header
 from glm5.weights.names import (
     KeyTarget,
     Shape,
@@ -69,13 +70,28 @@ def fp8_scale_shape(weight_shape: Shape, block: tuple[int, int] = DEFAULT_FP8_BL
 
 
 def dequantize_fp8_blockwise(w8: torch.Tensor, scale_inv: torch.Tensor,
-                             block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> torch.Tensor:
+                             block: tuple[int, int] = DEFAULT_FP8_BLOCK,
+                             offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """``W = W8.float() * s`` with one scale per ``block`` tile of the last two dims (edge tiles may
-    be partial). Returns fp32 on ``w8``'s device."""
+    be partial). Returns fp32 on ``w8``'s device.
+
+    ``offset``: where ``w8`` starts in the full weight (a tensor-parallel shard); ``scale_inv`` then holds the
+    scale rows/columns of the blocks the shard touches (:func:`fp8_scale_index`), and a shard that does not
+    start on the block grid still gets each element's own block scale."""
     rows, cols = w8.shape[-2], w8.shape[-1]
+    r0, c0 = offset[0] % block[0], offset[1] % block[1]
     s = scale_inv.to(device=w8.device, dtype=torch.float32)
-    s = s.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
+    s = s.repeat_interleave(block[0], dim=-2)[..., r0:r0 + rows, :]
+    s = s.repeat_interleave(block[1], dim=-1)[..., c0:c0 + cols]
     return w8.to(torch.float32) * s
+
+
+def fp8_scale_index(index: tuple[slice, ...], block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> tuple[slice, ...]:
+    """The slice of ``weight_scale_inv`` holding the block scales of the weight slice ``index`` (one full
+    ``slice`` per dim with explicit start/stop on the last two dims)."""
+    *lead, rows, cols = index
+    return (*lead, slice(rows.start // block[0], -(-rows.stop // block[0])),
+            slice(cols.start // block[1], -(-cols.stop // block[1])))
 
 
 def _fp8_block(cfg: ModelConfig) -> tuple[int, int]:
@@ -305,6 +321,7 @@ class _Reader:
         self.device = device
         self.block = block
         self.dequantized = 0
+        self.bytes_read = 0
 
     def _h(self, file: Path) -> Any:
         h = self._handles.get(file)
@@ -313,28 +330,46 @@ class _Reader:
             self._handles[file] = h
         return h
 
-    def read(self, part: _Part) -> torch.Tensor:
-        """The canonical-side tensor of ``part`` (its chunk, for packed keys), on ``self.device``."""
-        t = part.target
+    def read(self, part: _Part, shard: ShardIndex | None = None) -> torch.Tensor:
+        """The canonical-side tensor of ``part`` (its chunk, for packed keys; the rank's ``shard`` of it, a range
+        of one dim), on ``self.device``. Only that slice is read from the file (``safe_open`` slicing), fp8
+        block scales included."""
         h = self._h(part.info.file)
+        index = _source_index(part, shard)
+        self.bytes_read += _slice_bytes(part.info, index)
+        w = h.get_slice(part.info.key)[index]
         if part.scale is None:
-            if t.kind == "chunk":
-                size = part.info.shape[t.dim] // t.count
-                idx = tuple([slice(None)] * t.dim + [slice(t.index * size, (t.index + 1) * size)])
-                return h.get_slice(part.info.key)[idx].to(self.device)
-            return h.get_tensor(part.info.key).to(self.device)
-        w8 = h.get_tensor(part.info.key).to(self.device)
-        s = self._h(part.scale.file).get_tensor(part.scale.key)
-        w = dequantize_fp8_blockwise(w8, s, self.block)
+            return w.to(self.device)
+        s = self._h(part.scale.file).get_slice(part.scale.key)[fp8_scale_index(index, self.block)]
         self.dequantized += 1
-        if t.kind == "chunk":
-            w = w.chunk(t.count, dim=t.dim)[t.index]
-        return w
+        return dequantize_fp8_blockwise(w.to(self.device), s, self.block, (index[-2].start, index[-1].start))
+
+
+def _source_index(part: _Part, shard: ShardIndex | None) -> tuple[slice, ...]:
+    """Explicit slices (every dim) of the checkpoint tensor behind ``part`` restricted to ``shard``: a packed
+    key's chunk, then the shard's range (clamped to the real rows: vocab padding is added by the caller)."""
+    t, shape = part.target, part.info.shape
+    sl = [slice(0, n) for n in shape]
+    if t.kind == "chunk":
+        size = shape[t.dim] // t.count
+        sl[t.dim] = slice(t.index * size, (t.index + 1) * size)
+    if shard is not None and shard.dim is not None:
+        d = shard.dim
+        base, full = sl[d].start, sl[d].stop - sl[d].start
+        sl[d] = slice(base + min(shard.start, full), base + min(shard.stop, full))
+    return tuple(sl)
+
+
+def _slice_bytes(info: TensorInfo, index: tuple[slice, ...]) -> int:
+    n = ST_DTYPES[info.dtype][1]
+    for s in index:
+        n *= s.stop - s.start
+    return n
 
 
 def load_weights(path: str | Path, cfg: ModelConfig | None = None, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, progress: bool = True,
-                 allow_missing_mtp: bool = False) -> dict[str, torch.Tensor]:
+                 allow_missing_mtp: bool = False, sharding: WeightSharding | None = None) -> dict[str, torch.Tensor]:
     """Load every canonical tensor of the checkpoint at ``path`` onto ``device``.
 
     ``cfg`` defaults to the checkpoint's own ``config.json``. Tensors are cast to ``dtype`` except
@@ -343,36 +378,77 @@ def load_weights(path: str | Path, cfg: ModelConfig | None = None, device: str |
     checkpoint without the config's MTP layers loads (and the MTP names are absent from the
     result); MTP tensors that are present are always returned. Raises :class:`CheckpointError`
     listing every problem if the checkpoint does not match ``cfg``.
+
+    ``sharding`` (tensor / expert parallelism): load only this rank's slice of every tensor
+    (:mod:`glm5.distributed.sharding`) — each slice is read from the file on its own, so a sharded weight is
+    never whole in host memory; under expert parallelism only the rank's experts are opened. The progress bar
+    (rank 0) counts the bytes this rank reads.
     """
     path = Path(path)
     if cfg is None:
         cfg = ModelConfig.from_pretrained(path if path.is_dir() else path.parent)
     t0 = time.perf_counter()
     recipes, files = _plan(path, cfg, allow_missing_mtp)
+    if sharding is not None:
+        recipes = [r for r in recipes if sharding.held(r.name)]
     dev = torch.device(device)
     out: dict[str, torch.Tensor] = {}
     total = 0
+    block = _fp8_block(cfg)
+    to_read = sum(_recipe_bytes(r, sharding) for r in recipes)
+    show = progress and (sharding is None or sharding.ranks.is_driver)
     with contextlib.ExitStack() as stack:
-        reader = _Reader(stack, dev, _fp8_block(cfg))
-        bar = tqdm(recipes, desc=f"loading {path.name or path}", unit="tensor", disable=not progress,
-                   leave=False)
-        for r in bar:
+        reader = _Reader(stack, dev, block)
+        bar = tqdm(total=to_read, desc=f"loading {path.name or path}", unit="B", unit_scale=True,
+                   unit_divisor=1024, disable=not show, leave=False)
+        for r in recipes:
             want = torch.float32 if is_fp32_weight(r.name) else dtype
-            if r.parts[0].target.kind == "expert":
-                t = torch.empty(r.shape, dtype=want, device=dev)
-                for e, part in enumerate(r.parts):
-                    t[e].copy_(reader.read(part))
-            else:
-                t = reader.read(r.parts[0]).to(dtype=want)
-                if r.parts[0].target.kind == "chunk":
-                    t = t.contiguous()
-            out[r.name] = t
+            shard = sharding.index(r.name, r.shape) if sharding is not None else ShardIndex()
+            before = reader.bytes_read
+            out[r.name] = t = _load_recipe(reader, r, shard, want, dev)
             total += t.numel() * t.element_size()
+            bar.update(reader.bytes_read - before)
         bar.close()
-    logger.info("loaded %d tensors (%.2f GiB, %s) from %d file(s) in %s in %.1fs%s", len(out), total / 2**30,
+    logger.info("loaded %d tensors (%.2f GiB, %s) from %d file(s) in %s in %.1fs%s%s", len(out), total / 2**30,
                 dtype, len(files), path, time.perf_counter() - t0,
-                f"; dequantized {reader.dequantized} fp8 tensors" if reader.dequantized else "")
+                f"; dequantized {reader.dequantized} fp8 tensors" if reader.dequantized else "",
+                f"; rank {sharding.ranks.rank}/{sharding.ranks.world_size} shard" if sharding is not None else "")
     return out
+
+
+def _load_recipe(reader: _Reader, r: _Recipe, shard: ShardIndex, want: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """One canonical tensor (this rank's ``shard`` of it) in dtype ``want``; vocab padding rows are zeros."""
+    local = shard.local_shape(r.shape)
+    if r.parts[0].target.kind == "expert":
+        t = torch.empty(local, dtype=want, device=dev)
+        if shard.indices is not None:        # expert parallelism: the rank's experts, in its physical order
+            for j, e in enumerate(shard.indices):
+                t[j].copy_(reader.read(r.parts[e]))
+        else:                                # whole experts, or each expert's intermediate slice
+            inner = None if shard.dim is None else ShardIndex(shard.dim - 1, shard.start, shard.stop)
+            for e, part in enumerate(r.parts):
+                t[e].copy_(reader.read(part, inner))
+        return t
+    t = reader.read(r.parts[0], shard if shard.dim is not None else None).to(dtype=want)
+    if tuple(t.shape) != local:              # a vocab-parallel shard past the last row: zero padding
+        pad = torch.zeros(local, dtype=want, device=dev)
+        pad.narrow(shard.dim, 0, t.shape[shard.dim]).copy_(t)
+        t = pad
+    return t.contiguous() if r.parts[0].target.kind == "chunk" or shard.dim is not None else t
+
+
+def _recipe_bytes(r: _Recipe, sharding: WeightSharding | None) -> int:
+    """Bytes the load of ``r`` reads (this rank's slice of every part; fp8 scales not counted)."""
+    per_part = [ST_DTYPES[p.info.dtype][1] for p in r.parts]
+    if sharding is None:
+        return sum(p.info.nbytes for p in r.parts)
+    shard = sharding.index(r.name, r.shape)
+    if shard.indices is not None:
+        return sum(r.parts[e].info.nbytes for e in shard.indices)
+    n = 1
+    for s in shard.local_shape(r.shape):
+        n *= s
+    return n * per_part[0]
 
 
 def check_checkpoint(path: str | Path, cfg: ModelConfig | None = None, allow_missing_mtp: bool = False) -> int:

@@ -1,0 +1,486 @@
+"""The distributed executor: one process per device, the engine in the driver (rank 0).
+
+Shape (vLLM's multiprocess executor, with the driver holding rank 0's shard): the process that runs the
+:class:`~glm5.engine.llm_engine.LLMEngine` — scheduler, sampler, detokenizer, the Triton glue — is rank 0 of a
+``torch.distributed`` world and runs its own shard of the model; every other rank is a worker process
+(:mod:`glm5.engine.worker`) on its own device. Per step the driver broadcasts the packed step (a
+:class:`~glm5.engine.model_runner.PackedStep`, or the rows of a decode step) on a gloo control group, every rank
+runs the same forward on its shard (collectives inside the layers), and the logits — gathered over the
+vocab-parallel LM head — are already on the driver, which samples. Sampling where the logits are avoids shipping
+``[rows, vocab]`` logits between processes every step.
+
+Why the driver is a rank rather than a separate process: the sampler, speculative verification and the MTP
+draft loop stay the single-device code, and the step's logits never cross a process boundary. The price:
+a collective blocked on a dead peer must be broken from outside — the watchdog thread aborts the process groups
+when a worker exits (gloo already fails at once on the closed connection).
+
+Lifecycle: the driver hosts the rendezvous (a ``TCPStore`` at ``master_addr:master_port``, the env:// contract
+torchrun uses), publishes the setup there, starts its local workers (``python -m glm5.engine.worker`` with
+``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``MASTER_ADDR`` / ``MASTER_PORT``), waits for every rank (the other
+nodes' workers come from ``glm5 worker``), and every rank loads only its shard. A worker that exits makes the
+next (or the running) step raise :class:`ExecutorError`; workers watch their parent and exit when it is gone;
+:meth:`DistributedRunner.shutdown` stops them (terminate, then kill), so no process outlives the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from glm5.cache.hybrid_cache import CacheConfig
+from glm5.config import ModelConfig
+from glm5.distributed import ParallelConfig, ParallelContext, Ranks
+from glm5.distributed.parallel_state import (abort_process_groups, build_context, destroy_parallel_context,
+                                            join_world)
+from glm5.distributed.sharding import WeightSharding
+from glm5.engine.cuda_graph import DecodeRows
+from glm5.engine.model_runner import ModelRunner, PackedStep
+from glm5.engine.scheduler import SchedulerOutput
+from glm5.engine.sequence import Sequence
+from glm5.layers.batch import ForwardBatch
+from glm5.layers.glm5 import ModelOutput
+
+logger = logging.getLogger(__name__)
+
+SETUP_KEY = "glm5/setup"
+READY_PREFIX = "glm5/ready/"
+#: How long the driver waits for every rank to reach the rendezvous (workers import torch and load their shard).
+STARTUP_TIMEOUT_S = float(os.environ.get("GLM5_STARTUP_TIMEOUT_S", "600"))
+
+
+class ExecutorError(RuntimeError):
+    """The distributed executor cannot run the model any more: a worker died or failed, or the process group
+    broke. Unrecoverable for this engine — requests in flight fail, and the engine (the Triton model) must be
+    restarted. Raised from every engine call that needs the workers, with the worker's exit code and the tail of
+    its log when it is known."""
+
+
+@dataclass
+class WorkerSetup:
+    """What every worker needs to build its shard (published by the driver in the rendezvous store)."""
+
+    engine_args: dict[str, Any]
+    parallel: ParallelConfig
+    cache: CacheConfig
+    max_model_len: int
+    device_type: str            # "cuda" or "cpu"
+    device_base: int            # CUDA: local rank r uses cuda:{device_base + r}
+    dtype: str
+
+
+def rank_device(setup: WorkerSetup, local_rank: int) -> torch.device:
+    if setup.device_type == "cuda":
+        return torch.device("cuda", setup.device_base + local_rank)
+    return torch.device("cpu")
+
+
+def cpu_threads(ranks_on_machine: int) -> int:
+    """torch threads per rank when ``ranks_on_machine`` ranks share this machine's CPUs (``OMP_NUM_THREADS``
+    wins when set)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return max(1, (os.cpu_count() or 1) // ranks_on_machine)
+
+
+def free_port(addr: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return int(s.getsockname()[1])
+
+
+def worker_python() -> str:
+    """The interpreter for worker processes: ``$GLM5_WORKER_PYTHON``, else this one when it is a Python (inside
+    Triton's python-backend stub ``sys.executable`` is the stub, which ``glm5 serve`` covers by setting
+    ``GLM5_WORKER_PYTHON``)."""
+    exe = os.environ.get("GLM5_WORKER_PYTHON") or sys.executable
+    if exe and "python" in Path(exe).name:
+        return exe
+    found = shutil.which("python3")
+    if found is None:
+        raise ExecutorError(f"cannot find a Python for the worker processes (sys.executable={sys.executable!r}); "
+                            "set GLM5_WORKER_PYTHON to the interpreter that has this project installed")
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# worker processes started by this process
+# ---------------------------------------------------------------------------------------------------------------
+class LocalWorkers:
+    """Worker processes for some ranks of the world, started here (``python -m glm5.engine.worker``), each with
+    its own log file; used by the driver for its node's other ranks and by ``glm5 worker`` on the other nodes."""
+
+    def __init__(self, ranks: list[int], local_ranks: list[int], world_size: int, addr: str, port: int,
+                 log_dir: Path | None = None):
+        self.ranks, self.local_ranks = list(ranks), list(local_ranks)
+        self.world_size, self.addr, self.port = world_size, addr, port
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="glm5-workers-"))
+        self.procs: dict[int, subprocess.Popen] = {}
+        self._logs: dict[int, Any] = {}
+
+    def log_path(self, rank: int) -> Path:
+        return self.log_dir / f"rank{rank}.log"
+
+    def start(self) -> "LocalWorkers":
+        exe = worker_python()
+        path = os.pathsep.join(p for p in sys.path if p)
+        for rank, local in zip(self.ranks, self.local_ranks):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(local),
+                       GLM5_LOCAL_WORLD_SIZE=str(len(self.ranks) + (1 if 0 not in self.local_ranks else 0)),
+                       MASTER_ADDR=self.addr, MASTER_PORT=str(self.port), GLM5_PARENT_PID=str(os.getpid()),
+                       PYTHONPATH=path + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            if self.addr in ("127.0.0.1", "localhost"):
+                env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep a one-machine world on the loopback
+            log = open(self.log_path(rank), "ab")
+            self._logs[rank] = log
+            self.procs[rank] = subprocess.Popen([exe, "-m", "glm5.engine.worker"], env=env, stdin=subprocess.DEVNULL,
+                                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            logger.info("started worker rank %d (pid %d, log %s)", rank, self.procs[rank].pid, self.log_path(rank))
+        return self
+
+    def dead(self) -> tuple[int, int, int] | None:
+        """``(rank, pid, exit code)`` of the first worker that has exited, if any."""
+        for rank, p in self.procs.items():
+            code = p.poll()
+            if code is not None:
+                return rank, p.pid, code
+        return None
+
+    def log_tail(self, rank: int, lines: int = 25) -> str:
+        try:
+            text = self.log_path(rank).read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(text[-lines:])
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs.values()]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask politely (SIGTERM), then kill what is left; reap everything."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + timeout
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for log in self._logs.values():
+            log.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# building a rank
+# ---------------------------------------------------------------------------------------------------------------
+def build_rank_runner(setup: WorkerSetup, cfg: ModelConfig, par: ParallelContext, device: torch.device,
+                      runner_cls: type[ModelRunner] = ModelRunner, **runner_kw: Any) -> ModelRunner:
+    """Load this rank's shard (only its slices are read) and build its model runner."""
+    from glm5.engine.args import EngineArgs
+    from glm5.weights import load_weights
+
+    args = EngineArgs(**setup.engine_args)
+    dtype = getattr(torch, setup.dtype)
+    sharding = WeightSharding(cfg, par.config, par.ranks)
+    weights = load_weights(args.model, cfg, device=device, dtype=dtype, progress=args.load_progress,
+                           allow_missing_mtp=args.num_speculative_tokens == 0, sharding=sharding)
+    return runner_cls(cfg, weights, setup.cache, device, dtype, use_mtp=args.num_speculative_tokens > 0,
+                      index_fp8=args.index_cache == "fp8", max_model_len=setup.max_model_len,
+                      decode_path=args.decode_path, par=par, **runner_kw)
+
+
+def gather_status(par: ParallelContext, error: str | None) -> list[str | None]:
+    """Every rank's load outcome (``None`` = ready) on every rank, over the control group."""
+    import torch.distributed as dist
+    out: list[Any] = [None] * par.ranks.world_size
+    dist.all_gather_object(out, error, group=par.control_group)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the driver's runner
+# ---------------------------------------------------------------------------------------------------------------
+class DistributedRunner(ModelRunner):
+    """Rank 0's :class:`ModelRunner`: every call that touches the model first sends the same operation to the
+    workers (one broadcast per step; queued cache operations travel with it), then runs it on its own shard.
+    Same interface as :class:`ModelRunner`, so :class:`~glm5.engine.llm_engine.LLMEngine` drives it unchanged."""
+
+    def __init__(self, *args: Any, workers: LocalWorkers | None = None, **kw: Any):
+        super().__init__(*args, **kw)
+        self.workers = workers
+        self._pending: list[tuple] = []
+        self._shared_pools: dict | None = None
+        self._failure: ExecutorError | None = None
+        self._closed = False
+        self._steps = 0
+        self._stop = threading.Event()
+        self._watchdog: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def start(cls, args: Any, cfg: ModelConfig, cache_cfg: CacheConfig, max_model_len: int) -> "DistributedRunner":
+        """Host the rendezvous, start this node's workers, join, load rank 0's shard, wait for every rank."""
+        import torch.distributed as dist
+
+        pc: ParallelConfig = args.parallel_config
+        pc.check_model(cfg.text)
+        world, nproc = pc.world_size, pc.world_size // args.nnodes
+        device, dtype = args.torch_device, args.torch_dtype
+        setup = WorkerSetup(engine_args=dataclasses.asdict(args), parallel=pc, cache=cache_cfg,
+                            max_model_len=max_model_len, device_type=device.type,
+                            device_base=(device.index or 0) if device.type == "cuda" else 0,
+                            dtype=str(dtype).removeprefix("torch."))
+        device = rank_device(setup, 0)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        elif "OMP_NUM_THREADS" not in os.environ and nproc > 1:
+            # ranks on one CPU share its cores: each at its share, or their spin-waiting threads fight (the
+            # workers take the same share, see cpu_threads)
+            torch.set_num_threads(cpu_threads(nproc))
+            logger.info("CPU ranks: %d torch threads per rank", torch.get_num_threads())
+        addr = args.master_addr
+        port = args.master_port or free_port(addr)
+        if addr in ("127.0.0.1", "localhost"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        store = dist.TCPStore(addr, port, world, is_master=True, wait_for_workers=False,
+                              timeout=_timedelta(STARTUP_TIMEOUT_S))
+        store.set(SETUP_KEY, pickle.dumps(setup))
+        workers = LocalWorkers(list(range(1, nproc)), list(range(1, nproc)), world, addr, port).start() \
+            if nproc > 1 else None
+        try:
+            _wait_for_ranks(store, world, workers, addr, port)
+            backend, control = join_world(0, world, device, store)
+            par = build_context(pc, 0, backend, control)
+        except BaseException:
+            if workers is not None:
+                workers.stop()
+            raise
+        error = None
+        runner = None
+        try:
+            runner = build_rank_runner(setup, cfg, par, device, runner_cls=cls, workers=workers)
+        except Exception as e:  # reported with the workers' outcomes below
+            error = f"{type(e).__name__}: {e}"
+            logger.exception("rank 0 failed to load its shard")
+        status = gather_status(par, error)
+        failed = [(r, s) for r, s in enumerate(status) if s is not None]
+        if failed:
+            destroy_parallel_context(par)
+            if workers is not None:
+                workers.stop()
+            raise ExecutorError("the distributed engine failed to start: " + "; ".join(
+                f"rank {r}: {s}" for r, s in failed))
+        assert runner is not None
+        runner._start_watchdog()
+        runner._finalizer = weakref.finalize(runner, _emergency_stop, workers)
+        logger.info("distributed engine up: %d ranks (TP=%d, EP=%d, %s)%s", world, pc.tensor_parallel_size,
+                    pc.expert_parallel_size, backend, f", worker logs in {workers.log_dir}" if workers else "")
+        return runner
+
+    # ------------------------------------------------------------------ failure handling
+    def _start_watchdog(self) -> None:
+        if self.workers is None:
+            return
+        self._watchdog = threading.Thread(target=self._watch, name="glm5-executor-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.2):
+            dead = self.workers.dead()
+            if dead is not None and not self._closed:
+                self._failure = self._worker_error(*dead)
+                logger.error("%s", self._failure)
+                abort_process_groups()  # unblock a collective waiting on the dead rank (NCCL)
+                return
+
+    def _worker_error(self, rank: int, pid: int, code: int) -> ExecutorError:
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        tail = self.workers.log_tail(rank) if self.workers is not None else ""
+        return ExecutorError(f"worker rank {rank} (pid {pid}) {how}; the engine cannot continue and must be "
+                             f"restarted" + (f". Last lines of its log {self.workers.log_path(rank)}:\n{tail}"
+                                             if tail else ""))
+
+    def _check(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise ExecutorError("the distributed engine was shut down")
+
+    def _fail(self, exc: BaseException) -> ExecutorError:
+        """The error to raise for ``exc`` seen in a step: the worker's death when that explains it."""
+        if isinstance(exc, ExecutorError):
+            return exc
+        deadline = time.monotonic() + 2.0
+        while self._failure is None and self.workers is not None and time.monotonic() < deadline:
+            dead = self.workers.dead()  # the collective can fail before the watchdog's next look
+            if dead is not None:
+                self._failure = self._worker_error(*dead)
+                break
+            time.sleep(0.05)
+        if self._failure is None:
+            self._failure = ExecutorError(f"a collective of the distributed engine failed: {type(exc).__name__}: "
+                                          f"{exc}; the engine cannot continue and must be restarted")
+        return self._failure
+
+    def _dispatch(self, op: tuple, tensor: torch.Tensor | None = None) -> None:
+        """Send the queued operations and ``op`` to every worker (and ``tensor`` after it, over the device group),
+        then apply the queued ones here, in the same order the workers do."""
+        self._check()
+        ops, self._pending = self._pending + [op], []
+        try:
+            self.par.broadcast_object(ops)
+            if tensor is not None:
+                self.par.broadcast(tensor)
+            for pending in ops[:-1]:
+                self._apply_local(pending)
+        except Exception as e:
+            raise self._fail(e) from e
+
+    def _apply_local(self, op: tuple) -> None:
+        if op[0] == "reset_slot":
+            ModelRunner.reset_slot(self, op[1])
+        elif op[0] == "rebalance":
+            ModelRunner.rebalance_experts(self)
+        else:
+            raise AssertionError(f"not a queued operation: {op[0]}")
+
+    def _guard(self, fn, *a: Any) -> Any:
+        try:
+            return fn(*a)
+        except ExecutorError:
+            raise
+        except Exception as e:
+            if self.par.distributed and (self._failure is not None or _is_comm_error(e)):
+                raise self._fail(e) from e
+            raise
+
+    # ------------------------------------------------------------------ the ModelRunner interface
+    def reset_slot(self, slot: int) -> None:
+        self._pending.append(("reset_slot", slot))
+
+    def execute(self, sched: SchedulerOutput) -> tuple[ForwardBatch, ModelOutput, list[tuple[int, int, int]]]:
+        rows = self._decode_rows(sched) if self.batched_decode else None
+        if rows is not None:
+            self._dispatch(("decode", rows))
+            out = self._guard(self._execute_decode, sched, rows)
+        else:
+            step, sample_idx = self.pack(sched)
+            self._dispatch(("forward", step))
+            batch, model_out = self._guard(self.forward_packed, step)
+            out = (batch, model_out, sample_idx)
+        self._steps += 1
+        pc = self.par.config
+        if pc.enable_eplb and self._steps % pc.eplb_step_interval == 0:
+            self._pending.append(("rebalance",))
+        return out
+
+    def rollback(self, batch: ForwardBatch, state_slot: int, valid_rows: int) -> None:
+        self._dispatch(("rollback", state_slot, valid_rows))
+        super().rollback(batch, state_slot, valid_rows)
+
+    def mtp_forward(self, entries: list[tuple[Sequence, int, list[int]]], hidden: torch.Tensor,
+                    want_logits: list[bool], shared_pools: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+        step = self.pack_mtp(entries, want_logits)
+        if shared_pools is None:
+            mode = None
+        elif shared_pools is self._shared_pools:
+            mode = "same"
+        else:
+            mode, self._shared_pools = "new", shared_pools
+        hidden = hidden.contiguous()
+        self._dispatch(("mtp", step, mode, tuple(hidden.shape), str(hidden.dtype).removeprefix("torch.")), hidden)
+        return self._guard(self.mtp_forward_packed, step, hidden, shared_pools)
+
+    def snapshot_mtp_tails(self, slots: list[int]) -> torch.Tensor:
+        self._dispatch(("snapshot_mtp_tails", list(slots)))
+        return super().snapshot_mtp_tails(slots)
+
+    def restore_mtp_tails(self, slots: list[int], snapshot: torch.Tensor) -> None:
+        self._dispatch(("restore_mtp_tails", list(slots)))
+        super().restore_mtp_tails(slots, snapshot)
+
+    def capture_cuda_graphs(self, max_batch: int | None = None) -> str | None:
+        self._dispatch(("capture", max_batch))
+        return self._guard(super().capture_cuda_graphs, max_batch)
+
+    def rebalance_experts(self):
+        """Rebalance now (all ranks); the periodic trigger queues the same operation every
+        ``eplb_step_interval`` steps."""
+        self._dispatch(("rebalance",))
+        return self._guard(super().rebalance_experts)
+
+    def worker_pids(self) -> list[int]:
+        return self.workers.pids() if self.workers is not None else []
+
+    def shutdown(self) -> None:
+        """Stop the workers and leave the process group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._failure is None:
+            try:
+                self.par.broadcast_object([("shutdown",)])
+            except Exception:  # noqa: BLE001 (a broken group: the workers are stopped below anyway)
+                logger.warning("could not send shutdown to the workers", exc_info=True)
+        if self.workers is not None:
+            self.workers.stop()
+        destroy_parallel_context(self.par)
+        self._finalizer.detach()
+
+
+def _is_comm_error(e: BaseException) -> bool:
+    text = f"{type(e).__name__}: {e}".lower()
+    return isinstance(e, RuntimeError) and any(w in text for w in ("gloo", "nccl", "connection", "peer", "c10d",
+                                                                    "process group", "timed out", "abort"))
+
+
+def _emergency_stop(workers: LocalWorkers | None) -> None:
+    """At interpreter exit / garbage collection of an engine that was never shut down: no orphans."""
+    if workers is not None:
+        workers.stop(timeout=2.0)
+
+
+def _timedelta(seconds: float):
+    import datetime
+    return datetime.timedelta(seconds=seconds)
+
+
+def _wait_for_ranks(store: Any, world: int, workers: LocalWorkers | None, addr: str, port: int) -> None:
+    """Wait until every rank announced itself in the store; fail fast when a local worker dies first."""
+    keys = [f"{READY_PREFIX}{r}" for r in range(1, world)]
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while keys:
+        keys = [k for k in keys if not store.check([k])]
+        if not keys:
+            return
+        dead = workers.dead() if workers is not None else None
+        if dead is not None:
+            rank, pid, code = dead
+            raise ExecutorError(f"worker rank {rank} (pid {pid}) exited with code {code} during startup. Last lines "
+                                f"of its log {workers.log_path(rank)}:\n{workers.log_tail(rank)}")
+        if time.monotonic() > deadline:
+            missing = [int(k.rsplit("/", 1)[1]) for k in keys]
+            raise ExecutorError(f"ranks {missing} did not join within {STARTUP_TIMEOUT_S:.0f} s; ranks on other "
+                                f"machines come from `glm5 worker --master-addr {addr} --master-port {port} ...` "
+                                "(docs/parallelism.md)")
+        time.sleep(0.05)
+
+
+__all__ = ["DistributedRunner", "ExecutorError", "LocalWorkers", "WorkerSetup", "build_rank_runner", "rank_device"]
