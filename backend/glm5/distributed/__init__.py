@@ -4,7 +4,6 @@
   it (:class:`Ranks`) and the process groups plus the collectives the network calls (:class:`ParallelContext`).
 * :mod:`glm5.distributed.sharding` — which slice of every canonical weight a rank holds (one table shared by
   the loader, the dummy weights and the memory plan).
-* :mod:`glm5.distributed.memory` — bytes per rank for a config and layout (``docs/parallelism.md``).
 * :mod:`glm5.distributed.eplb` — expert-parallel load balancing: load counters, redundant expert placement,
   the logical → physical expert map.
 

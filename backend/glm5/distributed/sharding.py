@@ -106,6 +106,8 @@ class WeightSharding:
 
     def index(self, name: str, full: tuple[int, ...]) -> ShardIndex:
         tp, r = self.ranks.tp_size, self.ranks.tp_rank
+        if self.driver_only(name):
+            return ShardIndex()
         if name in _VOCAB:
             per = self.vocab_per_rank
             return ShardIndex(0, r * per, (r + 1) * per)

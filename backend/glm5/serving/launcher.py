@@ -368,6 +368,9 @@ class TritonServerProcess:
             env["LD_LIBRARY_PATH"] = os.pathsep.join(
                 [str(inst.lib_dir)] + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p])
         env[PYTHON_PATH_ENV] = os.pathsep.join(py_path)
+        # a tensor-parallel engine starts one worker process per extra device; inside the stub sys.executable
+        # is the stub, so name the interpreter that has this project installed
+        env.setdefault("GLM5_WORKER_PYTHON", sys.executable)
         if inst.source == "nvidia-pytriton":
             system_python = system_python_for_stub()
             if system_python is None:
@@ -479,7 +482,10 @@ class TritonServerProcess:
 # ---------------------------------------------------------------------------------------------
 
 _ENGINE_FLAGS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                 "num_cache_blocks", "cache_memory_gb", "num_speculative_tokens", "seed")
+                 "num_cache_blocks", "cache_memory_gb", "num_speculative_tokens", "seed",
+                 "tensor_parallel_size", "expert_parallel_size", "num_redundant_experts")
+#: on/off engine settings (vLLM's flag names): present → "true"
+_ENGINE_SWITCHES = ("enable_expert_parallel", "enable_eplb")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -502,12 +508,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-verbose", type=int, default=0)
     for name in _ENGINE_FLAGS:
         parser.add_argument("--" + name.replace("_", "-"), dest=name, help=f"engine {name} (config parameter)")
+    for name in _ENGINE_SWITCHES:
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, action="store_true",
+                            help=f"engine {name}=true (config parameter)")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="any other glm5 config.pbtxt parameter, repeatable")
 
 
 def run(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k, None) is not None}
+    overrides.update({k: "true" for k in _ENGINE_SWITCHES if getattr(args, k, False)})
     for kv in args.engine_arg:
         if "=" not in kv:
             raise SystemExit(f"--engine-arg expects KEY=VALUE, got {kv!r}")
