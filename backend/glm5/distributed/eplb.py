@@ -97,7 +97,9 @@ def rebalance(logical_load: list[float], current: list[int], num_ranks: int) -> 
     Replicas: every expert keeps one; the ``P - E`` redundant slots go one at a time to the expert with the
     highest load per replica. Packing: replicas heaviest first, each onto the rank with the least load among
     ranks with a free slot, preferring (at equal load) a rank that already holds that expert in the current
-    placement; within a rank, experts already there keep their slot. Deterministic (ties by expert id, rank id).
+    placement; within a rank, experts already there keep their slot. When the result's heaviest rank is no
+    lighter than the current placement's, the current placement is kept (nothing moves). Deterministic (ties by
+    expert id, rank id).
     """
     n_log, n_phys = len(logical_load), len(current)
     if n_phys % num_ranks:
@@ -120,6 +122,9 @@ def rebalance(logical_load: list[float], current: list[int], num_ranks: int) -> 
         members[r].append(e)
         rank_load[r] += w
     out = [-1] * n_phys
+    packed = [e for m in members for e in m]
+    if _max_rank_load(logical_load, current, num_ranks) <= _max_rank_load(logical_load, packed, num_ranks) * (1 + 1e-9):
+        return list(current)  # no better than what is there: move nothing
     for r in range(num_ranks):
         slots = list(range(r * per, (r + 1) * per))
         todo = list(members[r])
@@ -131,6 +136,13 @@ def rebalance(logical_load: list[float], current: list[int], num_ranks: int) -> 
             if out[s] == -1:
                 out[s] = todo.pop(0)
     return out
+
+
+def _max_rank_load(logical_load: list[float], placement: list[int], num_ranks: int) -> float:
+    """Heaviest rank's tokens when each expert's load is shared evenly by its copies."""
+    copies = {e: placement.count(e) for e in set(placement)}
+    per = len(placement) // num_ranks
+    return max(sum(logical_load[e] / copies[e] for e in placement[r * per:(r + 1) * per]) for r in range(num_ranks))
 
 
 def transfers(old: list[int], new: list[int], num_ranks: int) -> list[tuple[int, int, int, int]]:

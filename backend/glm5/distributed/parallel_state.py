@@ -58,9 +58,6 @@ class ParallelConfig:
             raise ParallelConfigError(
                 f"expert_parallel_size={ep} must be a multiple of tensor_parallel_size={tp} (the world is max(TP, EP) "
                 f"ranks, each TP group a replica of the attention); use expert_parallel_size={tp * max(1, ep // tp)}")
-        if ep > 1 and ep < tp:
-            raise ParallelConfigError(f"expert_parallel_size={ep} < tensor_parallel_size={tp}: experts are partitioned "
-                                      f"over the whole world; use expert_parallel_size={tp} (--enable-expert-parallel)")
         if self.ep_dispatch not in EP_DISPATCH_CHOICES:
             raise ParallelConfigError(f"ep_dispatch={self.ep_dispatch!r}: choose one of {', '.join(EP_DISPATCH_CHOICES)}")
         if self.num_redundant_experts < 0:
