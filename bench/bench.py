@@ -15,7 +15,7 @@ TFLOP/s; and transformers' glm5_next decode at batch 1 and at the largest batch 
 config (HF-initialised weights; its timing does not depend on weight values beyond routing), in a child
 process of the same run once the engine has released the GPU.
 
-Usage: ``python bench/bench.py --out DIR [--quick] [--profile-prefill] [--flashinfer]`` on a CUDA GPU;
+Usage: ``python bench/bench.py --out DIR [--quick] [--profile-prefill] [--flashinfer] [--distributed]`` on a CUDA GPU;
 writes ``DIR/results.json`` (schema: ``ceilings``, ``decode`` rows with ``bytes``, ``prefill`` rows, ``hf``,
 ``profiles``), the profiler tables ``DIR/profile_*.txt``, ``DIR/bench.log`` (one JSON line per measurement,
 so a run cut short keeps what it measured) and ``DIR/decode.png`` when matplotlib imports.
@@ -86,7 +86,9 @@ def ceilings() -> dict:
 
 
 class Setup:
-    def __init__(self, max_batch: int, max_ctx: int):
+    """``par``: a :class:`glm5.distributed.ParallelContext` (``--distributed``: the model's collectives run)."""
+
+    def __init__(self, max_batch: int, max_ctx: int, par=None):
         from glm5.cache.hybrid_cache import CacheConfig, HybridCache
         from glm5.config import ModelConfig
         from glm5.layers.glm5 import Glm5ForCausalLM
@@ -94,8 +96,9 @@ class Setup:
 
         self.cfg = ModelConfig.from_dict(bench_config_dict())
         t = self.cfg.text
+        self.par = par
         self.weights = dummy_weights(self.cfg, "cuda", torch.bfloat16, include_mtp=False)
-        self.model = Glm5ForCausalLM(self.cfg, self.weights)
+        self.model = Glm5ForCausalLM(self.cfg, self.weights, par)
         self.bs = 64
         self.blocks_per_req = (max_ctx + 2 * self.bs) // self.bs
         nb = max_batch * self.blocks_per_req
@@ -171,7 +174,8 @@ def decode_rows(s: "Setup", b: int, ctx: int):
 
 def run_decode(s: "Setup", batches, ctxs, reps: int, log, graphs: bool = True) -> list[dict]:
     """Decode steps through the engine's batched path: eager (one launch per kernel) and replayed as a
-    CUDA graph (what the engine runs), on the same staged inputs."""
+    CUDA graph (what the engine runs), on the same staged inputs. With a distributed setup every step also
+    sends its rows on the control group first, as the distributed executor's driver does."""
     from glm5.engine.cuda_graph import DecodeAttentionPlanner, DecodeGraphRunner, DecodeStager
     stager = DecodeStager(s.cache, max(batches), s.blocks_per_req, torch.device("cuda"))
     planner = DecodeAttentionPlanner(s.cfg.text, max(batches), torch.bfloat16, torch.device("cuda"))
@@ -204,7 +208,9 @@ def run_decode(s: "Setup", batches, ctxs, reps: int, log, graphs: bool = True) -
                 row = {"batch": b, "ctx": ctx, "eager_step_s": median(eager), "experts_touched": touched,
                        "bytes": s.decode_bytes(b, ctx, touched)}
                 if runner is not None:
-                    times = timed(lambda: runner.run(rows), max(reps, 10), warmup=2)
+                    step = runner.run if s.par is None else (
+                        lambda r: (s.par.broadcast_object([("decode", r)]), runner.run(r)))
+                    times = timed(lambda: step(rows), max(reps, 10), warmup=2)
                     row.update(step_s=median(times), steps=times, graph=True)
                 else:
                     row.update(step_s=row["eager_step_s"], steps=eager, graph=False)
@@ -386,6 +392,48 @@ def run_hf_subprocess(args, log) -> dict:
     return json.loads(path.read_text())
 
 
+def nccl_world_of_one():
+    """A ParallelContext over a one-rank NCCL world (plus the gloo control group): what the distributed
+    executor builds, at world size 1."""
+    import datetime
+    import torch.distributed as dist
+
+    from glm5.distributed import ParallelConfig
+    from glm5.distributed.parallel_state import build_context, join_world
+    from glm5.engine.executor import free_port
+
+    store = dist.TCPStore("127.0.0.1", free_port("127.0.0.1"), 1, is_master=True,
+                          timeout=datetime.timedelta(seconds=60))
+    backend, control = join_world(0, 1, torch.device("cuda", torch.cuda.current_device()), store)
+    return build_context(ParallelConfig(), 0, backend, control)
+
+
+def run_distributed(args, res: dict, batches, ctxs, log) -> dict:
+    """The bench config again through the distributed path at world size 1 (NCCL), after the plain run of the
+    same process: the same decode rows and prefills, and each against the plain run's number."""
+    par = nccl_world_of_one()
+    out: dict = {"world_size": 1, "backend": par.backend}
+    try:
+        s = Setup(max(batches), max(ctxs), par=par)
+        out["prefill"] = run_prefill(s, [8192], 4096, log)
+        out["decode"] = run_decode(s, batches, ctxs, reps=3, log=log)
+        s.close()
+    finally:
+        from glm5.distributed.parallel_state import destroy_parallel_context
+        destroy_parallel_context(par)
+    plain = {(r["batch"], r["ctx"]): r for r in res.get("decode", []) if "step_s" in r}
+    for r in out["decode"]:
+        p = plain.get((r.get("batch"), r.get("ctx")))
+        if p is not None and "step_s" in r:
+            r["vs_plain"] = r["step_s"] / p["step_s"]
+    pre = {r["tokens"]: r for r in res.get("prefill", []) if "time_s" in r}
+    for r in out["prefill"]:
+        if r.get("tokens") in pre and "time_s" in r:
+            r["vs_plain"] = r["time_s"] / pre[r["tokens"]]["time_s"]
+    log({"distributed_summary": [(r.get("batch"), r.get("ctx"), r.get("vs_plain")) for r in out["decode"]]})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -400,6 +448,9 @@ def main() -> int:
     ap.add_argument("--decode-attn", choices=("triton", "flashinfer", "torch"), help="override the auto choice")
     ap.add_argument("--flashinfer", action="store_true", help="also time decode with decode_attn_backend=flashinfer")
     ap.add_argument("--hf-only", action="store_true", help="engine b1 ctx 1K, then transformers, same run")
+    ap.add_argument("--distributed", action="store_true",
+                    help="then the same decode rows and an 8K prefill through the distributed path at world size 1 "
+                         "(NCCL collectives + the executor's per-step message), each against the plain number")
     args = ap.parse_args()
     if args.hf_worker:
         rows_log = args.hf_worker.with_suffix(".jsonl").open("w")
@@ -474,6 +525,15 @@ def main() -> int:
     del s
     gc.collect()
     torch.cuda.empty_cache()
+    if args.distributed:
+        try:
+            res["distributed"] = run_distributed(args, res, batches, ctxs, log)
+        except Exception as e:
+            res["distributed"] = {"error": f"{type(e).__name__}: {str(e)[:500]}", "trace": traceback.format_exc()[-1500:]}
+            log(res["distributed"])
+        (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
+        gc.collect()
+        torch.cuda.empty_cache()
     if not args.skip_hf:
         try:
             res["hf"] = run_hf_subprocess(args, log)
