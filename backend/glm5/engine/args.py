@@ -31,6 +31,8 @@ class EngineArgs:
     decode_path: str = "auto"           # auto (batched on CUDA) | batched | per_request (the reference loops)
     enforce_eager: bool = False         # True: no decode CUDA graphs (vLLM's flag name)
     cuda_graph_max_batch: int | None = None  # largest captured decode batch (default max_num_seqs)
+    load_format: str = "auto"           # auto (the checkpoint's safetensors) | dummy (random weights made on the
+                                        # device, sharded per rank; config.json only: benchmarks)
     # ---- several devices (docs/parallelism.md); vLLM's names where vLLM has the setting
     tensor_parallel_size: int = 1       # ranks splitting heads, dense MLPs, shared experts and the vocabulary
     enable_expert_parallel: bool = False  # routed experts partitioned over the ranks (EP = TP) instead of split
@@ -64,6 +66,8 @@ class EngineArgs:
             raise ValueError(f"cuda_graph_max_batch={self.cuda_graph_max_batch}: must be >= 1 (or unset)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r}: use auto, float32, bfloat16 or float16")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format={self.load_format!r}: use auto (the checkpoint) or dummy (random weights)")
         pc = self.parallel_config  # validates the layout (ParallelConfigError names the fix)
         if self.nnodes < 1 or pc.world_size % self.nnodes:
             raise ValueError(f"nnodes={self.nnodes}: must be >= 1 and divide the world of {pc.world_size} ranks")

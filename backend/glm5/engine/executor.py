@@ -198,18 +198,31 @@ def build_rank_runner(setup: WorkerSetup, cfg: ModelConfig, par: ParallelContext
     args = EngineArgs(**setup.engine_args)
     dtype = getattr(torch, setup.dtype)
     sharding = WeightSharding(cfg, par.config, par.ranks)
-    weights = load_weights(args.model, cfg, device=device, dtype=dtype, progress=args.load_progress,
-                           allow_missing_mtp=args.num_speculative_tokens == 0, sharding=sharding)
-    return runner_cls(cfg, weights, setup.cache, device, dtype, use_mtp=args.num_speculative_tokens > 0,
-                      index_fp8=args.index_cache == "fp8", max_model_len=setup.max_model_len,
-                      decode_path=args.decode_path, par=par, **runner_kw)
+    t0 = time.perf_counter()
+    if args.load_format == "dummy":
+        from glm5.weights import dummy_weights
+        weights = dummy_weights(cfg, device, dtype, seed=0, include_mtp=args.num_speculative_tokens > 0,
+                                sharding=sharding, fp8=getattr(args, "quantization", None) == "fp8")
+    else:
+        weights = load_weights(args.model, cfg, device=device, dtype=dtype, progress=args.load_progress,
+                               allow_missing_mtp=args.num_speculative_tokens == 0, sharding=sharding)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    load_s = time.perf_counter() - t0
+    runner = runner_cls(cfg, weights, setup.cache, device, dtype, use_mtp=args.num_speculative_tokens > 0,
+                        index_fp8=args.index_cache == "fp8", max_model_len=setup.max_model_len,
+                        decode_path=args.decode_path, par=par, **runner_kw)
+    runner.load_seconds = load_s
+    runner.init_seconds = time.perf_counter() - t0
+    return runner
 
 
-def gather_status(par: ParallelContext, error: str | None) -> list[str | None]:
-    """Every rank's load outcome (``None`` = ready) on every rank, over the control group."""
+def gather_status(par: ParallelContext, value: Any) -> list[Any]:
+    """Every rank's ``value`` (a load outcome, ``None`` = ready; a per-rank call's result) on every rank, in rank
+    order, over the control group."""
     import torch.distributed as dist
     out: list[Any] = [None] * par.ranks.world_size
-    dist.all_gather_object(out, error, group=par.control_group)
+    dist.all_gather_object(out, value, group=par.control_group)
     return out
 
 
@@ -424,6 +437,22 @@ class DistributedRunner(ModelRunner):
         ``eplb_step_interval`` steps."""
         self._dispatch(("rebalance",))
         return self._guard(super().rebalance_experts)
+
+    def run_decode_step(self, rows: DecodeRows) -> tuple[ForwardBatch, ModelOutput]:
+        self._dispatch(("decode", rows))
+        return self._guard(self.forward_decode, rows)
+
+    def run_packed(self, step: PackedStep) -> tuple[ForwardBatch, ModelOutput]:
+        self._dispatch(("forward", step))
+        return self._guard(self.forward_packed, step)
+
+    def call_all(self, name: str, *args: Any) -> list:
+        """Run a per-rank method (:attr:`ModelRunner.RANK_CALLS`) on every rank; results gathered in rank order."""
+        if name not in self.RANK_CALLS:
+            raise ValueError(f"{name!r} is not a per-rank call; choose one of {sorted(self.RANK_CALLS)}")
+        self._dispatch(("call", name, args))
+        mine = self._guard(getattr(self, name), *args)
+        return self._guard(gather_status, self.par, mine)
 
     def worker_pids(self) -> list[int]:
         return self.workers.pids() if self.workers is not None else []

@@ -66,8 +66,14 @@ class LLMEngine:
         text = self.model_config.text
         check_block_size(args.block_size, text.index_kpool)
         if weights is None and not args.uses_executor:
-            weights = load_weights(args.model, self.model_config, device=self.device, dtype=self.dtype,
-                                   progress=args.load_progress, allow_missing_mtp=args.num_speculative_tokens == 0)
+            if args.load_format == "dummy":
+                from glm5.weights import dummy_weights
+                weights = dummy_weights(self.model_config, self.device, self.dtype,
+                                        include_mtp=args.num_speculative_tokens > 0,
+                                        fp8=getattr(args, "quantization", None) == "fp8")
+            else:
+                weights = load_weights(args.model, self.model_config, device=self.device, dtype=self.dtype,
+                                       progress=args.load_progress, allow_missing_mtp=args.num_speculative_tokens == 0)
         elif weights is not None and args.uses_executor:
             raise ValueError("weights cannot be handed to a distributed engine (each rank loads its own shard from "
                              "args.model); drop the weights argument or run with tensor_parallel_size=1")

@@ -293,7 +293,9 @@ class ModelRunner:
             return reason
         buckets = graph_buckets(min(max_batch or self.stager.max_batch, self.stager.max_batch))
         self.graphs = DecodeGraphRunner(self.model, self.cache, self.stager, buckets, prepare=self._prepare_decode)
+        before = torch.cuda.memory_reserved(self.device)
         self.graphs.capture()
+        self.graph_bytes = torch.cuda.memory_reserved(self.device) - before
         return None
 
     def _decode_rows(self, sched: SchedulerOutput) -> DecodeRows | None:
@@ -332,6 +334,77 @@ class ModelRunner:
                           for i, (p, slot) in enumerate(zip(rows.positions, rows.state_slots))]
         sample_idx = [(ci, ci, 1) for ci, c in enumerate(sched.chunks) if c.samples]
         return batch, out, sample_idx
+
+    # ------------------------------------------------------------------ measurements (every rank; bench/multigpu.py)
+    #: methods a distributed driver may run on every rank through :meth:`call_all`
+    RANK_CALLS = frozenset({"fill_cache_random", "memory_report", "profile_decode"})
+    load_seconds = init_seconds = 0.0
+    graph_bytes = 0
+
+    def run_decode_step(self, rows: DecodeRows) -> tuple[ForwardBatch, ModelOutput]:
+        """One pure decode step on the batched path (a graph replay when one fits), on every rank."""
+        return self.forward_decode(rows)
+
+    def run_packed(self, step: PackedStep) -> tuple[ForwardBatch, ModelOutput]:
+        """One packed forward (prefill chunks, verification rows), on every rank."""
+        return self.forward_packed(step)
+
+    def call_all(self, name: str, *args) -> list:
+        """``getattr(runner, name)(*args)`` on every rank; the results in rank order."""
+        if name not in self.RANK_CALLS:
+            raise ValueError(f"{name!r} is not a per-rank call; choose one of {sorted(self.RANK_CALLS)}")
+        return [getattr(self, name)(*args)]
+
+    def fill_cache_random(self, seed: int) -> None:
+        """Random cache contents (a decode step's cost depends on the cache sizes, not the values)."""
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        for group, std in ((self.cache.latent, 1.0), (self.cache.pool_keys, 1.0), (self.cache.recurrent, 0.02),
+                           (self.cache.conv, 1.0)):
+            for t in group.values():
+                if t.is_floating_point() and t.element_size() > 1:
+                    t.normal_(0.0, std, generator=g)
+
+    def memory_report(self) -> dict:
+        """Bytes this rank holds: weights (the loaded shards), caches, decode graphs; CUDA allocator totals."""
+        seen: set[int] = set()
+        weights = 0
+        for t in self.model.weights.values():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                weights += t.numel() * t.element_size()
+        out = {"rank": self.par.ranks.rank, "device": str(self.device), "weights": weights,
+               "cache": self.cache.nbytes(), "graphs": self.graph_bytes, "load_s": self.load_seconds,
+               "init_s": self.init_seconds}
+        state = sum(t.numel() * t.element_size() for g in (self.cache.conv, self.cache.recurrent, self.cache.tail)
+                    for t in g.values())
+        out["state_slots"] = state
+        if self.device.type == "cuda":
+            out.update(cuda_allocated=torch.cuda.memory_allocated(self.device),
+                       cuda_reserved=torch.cuda.memory_reserved(self.device),
+                       cuda_max_allocated=torch.cuda.max_memory_allocated(self.device))
+        return out
+
+    def profile_decode(self, rows: DecodeRows) -> dict:
+        """One eager batched decode step under the profiler: summed kernel (CUDA) or op (CPU) time and the part
+        spent in collectives (NCCL kernels / gloo ops)."""
+        batch = self.stager.stage(rows, len(rows), self._prepare_decode)
+        self.model.forward(batch, self.cache)
+        acts = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            batch = self.stager.stage(rows, len(rows), self._prepare_decode)
+            self.model.forward(batch, self.cache)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        events = prof.key_averages()
+        if self.device.type == "cuda":
+            ev = [e for e in events if e.device_type.name == "CUDA"]
+            total = sum(e.self_device_time_total for e in ev)
+            comm = sum(e.self_device_time_total for e in ev if "nccl" in e.key.lower())
+        else:
+            total = sum(e.self_cpu_time_total for e in events)
+            comm = sum(e.self_cpu_time_total for e in events if e.key.startswith(("gloo:", "c10d::", "record_param")))
+        return {"rank": self.par.ranks.rank, "kernel_s": total / 1e6, "comm_s": comm / 1e6}
 
     # ------------------------------------------------------------------ expert-parallel load balancing
     def moe_layers(self) -> list[MoE]:

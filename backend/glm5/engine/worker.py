@@ -66,6 +66,11 @@ def apply(runner: ModelRunner, state: WorkerState, op: tuple) -> bool:
         runner.capture_cuda_graphs(op[1])
     elif kind == "rebalance":
         runner.rebalance_experts()
+    elif kind == "call":
+        _, name, args = op
+        if name not in runner.RANK_CALLS:
+            raise ValueError(f"the driver asked for {name!r}, not a per-rank call")
+        gather_status(runner.par, getattr(runner, name)(*args))
     elif kind == "shutdown":
         return False
     else:

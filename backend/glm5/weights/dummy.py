@@ -30,12 +30,17 @@ def _is_norm_weight(name: str) -> bool:
 
 def dummy_weights(cfg: ModelConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
                   seed: int = 0, include_mtp: bool = True,
-                  sharding: WeightSharding | None = None) -> dict[str, torch.Tensor]:
+                  sharding: WeightSharding | None = None, fp8: bool = False) -> dict[str, torch.Tensor]:
     """Random canonical weights for ``cfg`` on ``device``: same names and shapes as
     :func:`glm5.weights.expected_weight_shapes`, ``dtype`` except the fp32 set. Deterministic for a
     given ``seed`` and device type. ``sharding``: only this rank's shard of each tensor, created directly at
     its local shape (a rank never materialises the whole model); the values are the rank's own draws, not
-    slices of the unsharded weights (benchmarks only need the shapes)."""
+    slices of the unsharded weights (benchmarks only need the shapes).
+
+    ``fp8``: the tensors the fp8 checkpoint stores block-scaled (:func:`glm5.weights.memory_plan.is_fp8_weight`)
+    are made as ``float8_e4m3fn`` with fp32 scales per 128×128 block under ``<name>_scale_inv`` (``[E, ...]``
+    for stacked experts), the checkpoint's format, with the same effective magnitudes."""
+    from glm5.weights.memory_plan import is_fp8_weight
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
@@ -72,6 +77,12 @@ def dummy_weights(cfg: ModelConfig, device: str | torch.device = "cpu", dtype: t
             t = randn(shape, dt).mul_(0.02).add_(1.0)
         elif len(shape) == 1:  # biases
             t = randn(shape, dt).mul_(0.02)
+        elif fp8 and is_fp8_weight(name, cfg):
+            *lead, rows, cols = shape
+            out[name] = randn(shape, torch.bfloat16).mul_(64.0).clamp_(-448, 448).to(torch.float8_e4m3fn)
+            out[f"{name}_scale_inv"] = torch.full((*lead, -(-rows // 128), -(-cols // 128)),
+                                                  1.0 / (64.0 * math.sqrt(fan_in)), device=dev, dtype=torch.float32)
+            continue
         else:
             t = randn(shape, dt).mul_(1.0 / math.sqrt(fan_in))
         out[name] = t
