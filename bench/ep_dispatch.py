@@ -101,7 +101,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     if rank == 0:
         res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "command": " ".join(sys.argv), "device": torch.cuda.get_device_name() if device.type == "cuda" else
-               f"cpu ({os.cpu_count()} cores)", "backend": backend, "world": args.world, "hidden": h,
+               f"cpu ({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f})", "backend": backend, "world": args.world, "hidden": h,
                "experts": args.experts, "topk": args.topk, "intermediate": i, "dtype": str(dtype), "rows": rows}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(res, indent=1))
