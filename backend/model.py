@@ -61,7 +61,8 @@ logger = logging.getLogger("glm5.backend")
 
 # Config parameters consumed by this backend; every other non-empty parameter goes to EngineArgs.
 BACKEND_PARAMETERS = frozenset({"python_path", "report_metrics", "metrics_interval_ms",
-                                "cancellation_check_period_ms", "engine_module", "EXECUTION_ENV_PATH"})
+                                "cancellation_check_period_ms", "engine_module", "EXECUTION_ENV_PATH",
+                                "log_level"})
 
 _OPT = {"optional": True}
 INPUTS: list[dict[str, Any]] = [
@@ -76,7 +77,11 @@ INPUTS: list[dict[str, Any]] = [
     {"name": "return_num_input_tokens", "data_type": "TYPE_BOOL", "dims": [1], **_OPT},
     {"name": "return_num_output_tokens", "data_type": "TYPE_BOOL", "dims": [1], **_OPT},
     {"name": "return_logprobs", "data_type": "TYPE_BOOL", "dims": [1], **_OPT},
+    {"name": "return_cumulative_logprob", "data_type": "TYPE_BOOL", "dims": [1], **_OPT},
+    {"name": "return_num_cached_tokens", "data_type": "TYPE_BOOL", "dims": [1], **_OPT},
     {"name": "stop", "data_type": "TYPE_BOOL", "dims": [1], **_OPT},
+    # vllm_backend reserves it for the OpenAI frontend's embedding requests; answered with a clear error
+    {"name": "embedding_request", "data_type": "TYPE_STRING", "dims": [1], **_OPT},
     # Preprocessed tensors from the `preprocess` model (ensemble path); empty = absent.
     {"name": "input_ids", "data_type": "TYPE_INT64", "dims": [-1], **_OPT},
     {"name": "pixel_values", "data_type": "TYPE_FP32", "dims": [-1, -1], **_OPT},
@@ -90,6 +95,9 @@ OUTPUTS: list[dict[str, Any]] = [
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
     {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
+    {"name": "prompt_logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "num_cached_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
 ]
 MM_TENSORS = ("input_ids", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
@@ -103,7 +111,8 @@ class _RequestState:
     request: Any
     sender: Any
     client_id: str
-    engine_id: str = ""
+    engine_id: str = ""            # the request's id in the engine; sequence i of n runs as f"{engine_id}.{i}"
+    engine_ids: list[str] = field(default_factory=list)
     cancelled: bool = False        # the client cancelled (gRPC stop_stream / disconnect)
     done: bool = False             # final response queued
     closed: bool = False           # final response sent: the sender's response factory is released; under
@@ -122,7 +131,7 @@ class _Metrics:
     E2E_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                    120.0, 240.0, 480.0, 960.0]
 
-    def __init__(self, labels: dict[str, str], engine: Any, interval_s: float) -> None:
+    def __init__(self, labels: dict[str, str], engine: Any, interval_s: float, max_model_len: int = 4096) -> None:
         MF = pb_utils.MetricFamily
         self._engine = engine
         self._interval = interval_s
@@ -164,15 +173,24 @@ class _Metrics:
         self._spec_rate_family = fam("glm5:spec_decode_acceptance_rate",
                                      "Acceptance rate per draft position", MF.GAUGE)
         self._spec_rate: dict[int, Any] = {}
+        # vLLM's names beside the glm5: families (docs/serving.md, "Metrics")
+        from glm5.serving.vllm_metrics import FinishedRequest, VllmMetrics
+
+        self._finished_type = FinishedRequest
+        self.vllm = VllmMetrics(fam, MF, labels, max_model_len)
         self._labels = labels
         self._last: dict[str, float] = {}
         self._thread = threading.Thread(target=self._loop, name="glm5-metrics", daemon=True)
         self._thread.start()
 
-    def record_request(self, metrics: Any) -> None:
-        """Queue a finished request's ``RequestMetrics`` (non-blocking)."""
+    def record_request(self, metrics: Any, num_prompt_tokens: int = 0, num_generation_tokens: int = 0,
+                       finish_reason: str | None = None) -> None:
+        """Queue a finished engine request's ``RequestMetrics`` and counts (non-blocking)."""
         if metrics is not None:
-            self._events.put(metrics)
+            self._events.put(self._finished_type(metrics, num_prompt_tokens, num_generation_tokens, finish_reason))
+
+    def record_params(self, n: int, best_of: int) -> None:
+        self._events.put(("params", n, best_of))
 
     def record_error(self) -> None:
         self._events.put("error")
@@ -193,6 +211,7 @@ class _Metrics:
         self._counter_from_total(self.aborted, "aborted", float(st.aborted_total))
         self._counter_from_total(self.finished, "finished", float(st.finished_total))
         self._counter_from_total(self.preempted, "preempted", float(st.preempted_total))
+        self.vllm.update_stats(st)
         spec = getattr(st, "speculative", None)
         if spec:
             self._counter_from_total(self.spec_drafts, "spec_drafts", float(sum(spec["proposed"])))
@@ -212,6 +231,11 @@ class _Metrics:
             if ev == "error":
                 self.errors.increment(1)
                 continue
+            if isinstance(ev, tuple):
+                self.vllm.observe_params(ev[1], ev[2])
+                continue
+            self.vllm.observe_finished(ev)
+            ev = ev.metrics
             arrival = getattr(ev, "arrival_time", None)
             first = getattr(ev, "first_token_time", None)
             fin = getattr(ev, "finished_time", None)
@@ -298,8 +322,12 @@ class TritonPythonModel:
         import importlib
 
         from glm5.serving import request as rq
+        from glm5.serving import vllm_outputs
+        from glm5.serving.stub_logging import configure_stub_logging
 
+        configure_stub_logging(params.get("log_level") or "INFO")   # the engine's start log reaches the server log
         self._rq = rq
+        self._vo = vllm_outputs
         # The module providing EngineArgs / AsyncLLMEngine / PromptInput (an alternative engine with
         # the same API can be plugged in here).
         self._engine_mod = importlib.import_module(params.get("engine_module") or "glm5.engine")
@@ -343,7 +371,8 @@ class TritonPythonModel:
         if (params.get("report_metrics") or "true").lower() in ("1", "true", "yes"):
             labels = {"model": args["model_name"], "version": args["model_version"]}
             interval = float(params.get("metrics_interval_ms") or 200) / 1000.0
-            self._metrics = _Metrics(labels, self.engine, interval)
+            self._metrics = _Metrics(labels, self.engine, interval,
+                                     int(getattr(self.engine_args, "max_model_len", 4096)))
 
     def _load_error_types(self) -> None:
         """Exception types that mean "bad request" (INVALID_ARG) rather than a server fault."""
@@ -370,7 +399,7 @@ class TritonPythonModel:
         """Abort everything, stop the engine, then every thread (in dependency order)."""
         self._shutdown.set()
         with self._states_lock:
-            ids = [s.engine_id for s in self._states.values() if s.engine_id]
+            ids = sorted({eid for s in self._states.values() for eid in s.engine_ids})
         for eid in ids:
             try:
                 self.engine.abort(eid)
@@ -419,10 +448,10 @@ class TritonPythonModel:
             self._queue_error(state, f"internal error: {type(exc).__name__}: {exc}",
                               pb_utils.TritonError.INTERNAL)
         finally:
-            if state.engine_id:
-                with self._states_lock:
-                    self._states.pop(state.engine_id, None)
-                    self._stops.remove(state.client_id, state.engine_id)
+            with self._states_lock:
+                for eid in state.engine_ids:
+                    self._states.pop(eid, None)
+                    self._stops.remove(state.client_id, eid)
 
     def _parse(self, request: Any) -> tuple[Any, Any, Any]:
         """Tensors → (PromptInput, SamplingParams, OutputFlags); raises on bad input."""
@@ -431,6 +460,9 @@ class TritonPythonModel:
         PromptInput = self._engine_mod.PromptInput
 
         rq = self._rq
+        if _str(request, "embedding_request") is not None:
+            raise rq.RequestError(f"model {self.model_config.get('name', 'glm5')} does not support 'embed' "
+                                  "requests (embedding_request): it is a generative model; send text_input")
         text = _str(request, "text_input")
         messages = rq.parse_messages(_str(request, "messages"))
         media: dict[str, list[bytes]] = {}
@@ -463,11 +495,15 @@ class TritonPythonModel:
                                 return_finish_reason=_bool(request, "return_finish_reason"),
                                 return_num_input_tokens=_bool(request, "return_num_input_tokens"),
                                 return_num_output_tokens=_bool(request, "return_num_output_tokens"),
-                                return_logprobs=_bool(request, "return_logprobs"))
+                                return_logprobs=_bool(request, "return_logprobs"),
+                                return_cumulative_logprob=_bool(request, "return_cumulative_logprob"),
+                                return_num_cached_tokens=_bool(request, "return_num_cached_tokens"))
         flags.prompt_prefix = text or None
-        if flags.return_logprobs and sp.get("logprobs") is None:
-            sp["logprobs"] = 0      # the sampled token's logprob only
         params = SamplingParams.from_dict(sp)
+        rq.check_sequences(params, flags)
+        if params.logprobs is None and (flags.return_logprobs or flags.return_cumulative_logprob
+                                        or params.num_sequences > params.n):
+            params.logprobs = 0     # the sampled token's logprob only (best_of ranks by its sum)
         if mm:
             if text and "prompt_text" not in mm:
                 mm["prompt_text"] = text
@@ -497,63 +533,127 @@ class TritonPythonModel:
             self._handle_stop(state)
             return
         prompt, params, flags = self._parse(request)
+        n_seq = params.num_sequences
         state.engine_id = f"{state.client_id or 'req'}-{uuid.uuid4().hex[:12]}"
+        state.engine_ids = [state.engine_id] if n_seq == 1 else [f"{state.engine_id}.{i}" for i in range(n_seq)]
         with self._states_lock:
-            self._states[state.engine_id] = state
-            self._stops.add(state.client_id, state.engine_id)
+            for eid in state.engine_ids:
+                self._states[eid] = state
+                self._stops.add(state.client_id, eid)
+        if self._metrics is not None:
+            self._metrics.record_params(params.n, n_seq)
         loop = asyncio.get_running_loop()
         # add_request validates (and may decode media) synchronously: keep it off the loop thread.
-        stream = await loop.run_in_executor(None, self.engine.add_request, state.engine_id, prompt, params)
+        streams = []
+        for i, eid in enumerate(state.engine_ids):
+            child = params if n_seq == 1 else params.for_sequence(i)
+            try:
+                streams.append(await loop.run_in_executor(None, self.engine.add_request, eid, prompt, child))
+            except BaseException:
+                for started in state.engine_ids[:i]:
+                    self.engine.abort(started)
+                raise
         if state.cancelled:
-            self.engine.abort(state.engine_id)
+            for eid in state.engine_ids:
+                self.engine.abort(eid)
 
-        pieces: list[str] = []
-        logprobs: list[dict] = []
-        n_out = 0
-        last = None
-        async for out in stream:
-            last = out
-            if state.cancelled:
-                if out.finished:
-                    break
-                continue
-            if flags.stream:
-                if out.finished or out.token_ids or out.text:
-                    self._queue(state, self._response(out, out.text, len(out.token_ids), out.logprobs, flags),
-                                _FINAL if out.finished else 0)
-            else:
-                pieces.append(out.text)
-                n_out += len(out.token_ids)
-                logprobs.extend(out.logprobs or [])
-                if out.finished:
-                    text = "".join(pieces)
-                    prefix = flags.prompt_prefix if flags.prompt_prefix is not None else out.prompt_text
-                    if flags.prepend_input and prefix:
-                        text = prefix + text
-                    self._queue(state, self._response(out, text, n_out, logprobs, flags), _FINAL)
-            if out.finished:
-                break
-        if last is not None and last.finished and self._metrics is not None:
-            self._metrics.record_request(getattr(last, "metrics", None))
+        seqs = self._vo.SequenceSet(n_seq)
+        await self._collect(state, streams, seqs, params, flags)
+        if self._metrics is not None:
+            for m, n_prompt, n_gen, reason in seqs.metrics:
+                self._metrics.record_request(m, n_prompt, n_gen, reason)
         if state.cancelled:
             self._queue_error(state, "request was cancelled", pb_utils.TritonError.CANCELLED)
-        elif last is None or not last.finished:
+        elif not seqs.finished:
             self._queue_error(state, "the engine ended the request without a final output",
                               pb_utils.TritonError.INTERNAL)
 
-    def _response(self, out: Any, text: str, n_tokens: int, logprobs: list | None, flags: Any) -> Any:
-        tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
+    async def _collect(self, state: _RequestState, streams: list[Any], seqs: Any, params: Any, flags: Any) -> None:
+        """Feed every sequence's engine outputs into ``seqs`` and queue the responses: one per
+        batch of new output when streaming (every sequence's delta in it), one at the end otherwise."""
+        queue_: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream: Any) -> None:
+            try:
+                async for out in stream:
+                    queue_.put_nowait((index, out, None))
+                    if out.finished:
+                        break
+            except Exception as exc:  # noqa: BLE001 (handed to the consumer below)
+                queue_.put_nowait((index, None, exc))
+            queue_.put_nowait((index, None, None))
+
+        tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(streams)]
+        open_streams = len(streams)
+        try:
+            while open_streams:
+                items = [await queue_.get()]
+                while not queue_.empty():
+                    items.append(queue_.get_nowait())
+                for index, out, exc in items:
+                    if exc is not None:
+                        raise exc
+                    if out is None:
+                        open_streams -= 1
+                        continue
+                    seqs.add(index, out)
+                if state.cancelled or not flags.stream:
+                    continue
+                if seqs.finished or seqs.has_news:
+                    self._queue(state, self._response(seqs, params, flags), _FINAL if seqs.finished else 0)
+        finally:
+            for t in tasks:
+                t.cancel()
+            if not seqs.finished:    # an engine error or shutdown: stop the other sequences too
+                for eid in state.engine_ids:
+                    self.engine.abort(eid)
+        if flags.stream or state.cancelled or not seqs.finished:
+            return
+        self._queue(state, self._response(seqs, params, flags, whole=True), _FINAL)
+
+    def _response(self, seqs: Any, params: Any, flags: Any, *, whole: bool = False) -> Any:
+        """One response in vllm_backend's layout: one element per returned sequence (``n`` of them;
+        ``best_of`` candidates are ranked by cumulative logprob at the end)."""
+        vo = self._vo
+        order = seqs.best(params.n) if seqs.size > params.n else None
+        rows = seqs.take(order, whole=whole)
+        send_prompt_logprobs = params.prompt_logprobs is not None and seqs.take_prompt_logprobs()
+        texts = []
+        for r in rows:
+            t = r["text"] if params.detokenize else ""
+            if whole and flags.prepend_input:
+                prefix = flags.prompt_prefix if flags.prompt_prefix is not None else seqs.prompt_text
+                t = (prefix or "") + t
+            texts.append(t.encode("utf-8"))
+        obj = np.array(texts, dtype=np.object_)
+        tensors = [pb_utils.Tensor("text_output", obj)]
         if flags.return_finish_reason:
-            reason = (out.finish_reason or "") if out.finished else ""
-            tensors.append(pb_utils.Tensor("finish_reason", np.array([reason.encode()], dtype=np.object_)))
-        if flags.return_num_input_tokens:
-            tensors.append(pb_utils.Tensor("num_input_tokens", np.array([out.num_prompt_tokens], dtype=np.uint32)))
-        if flags.return_num_output_tokens:
-            tensors.append(pb_utils.Tensor("num_output_tokens", np.array([n_tokens], dtype=np.uint32)))
+            reasons = [vo.finish_reason_text(r["finish_reason"]).encode() for r in rows]
+            tensors.append(pb_utils.Tensor("finish_reason", np.array(reasons, dtype=np.object_)))
+        if flags.return_cumulative_logprob:
+            tensors.append(pb_utils.Tensor("cumulative_logprob",
+                                           np.array([r["cumulative_logprob"] for r in rows], dtype=np.float32)))
         if flags.return_logprobs:
-            tensors.append(pb_utils.Tensor("logprobs", np.array([json.dumps(logprobs or []).encode()],
-                                                                dtype=np.object_)))
+            decode = self._decode_token
+            lps = [vo.logprobs_json(None if r["logprobs"] is None else vo.vllm_logprob_entries(r["logprobs"], decode))
+                   .encode() for r in rows]
+            tensors.append(pb_utils.Tensor("logprobs", np.array(lps, dtype=np.object_)))
+        if send_prompt_logprobs:
+            plp = json.dumps(vo.vllm_prompt_logprobs(seqs.prompt_logprobs, self._decode_token))
+            tensors.append(pb_utils.Tensor("prompt_logprobs", np.array([plp.encode()], dtype=np.object_)))
+        if flags.return_num_input_tokens:
+            tensors.append(pb_utils.Tensor("num_input_tokens", np.array([seqs.num_prompt_tokens], dtype=np.uint32)))
+        if flags.return_num_output_tokens:
+            tensors.append(pb_utils.Tensor("num_output_tokens",
+                                           np.array([r["num_tokens"] for r in rows], dtype=np.uint32)))
+        if flags.return_num_cached_tokens:
+            tensors.append(pb_utils.Tensor("num_cached_tokens", np.array([seqs.num_cached_tokens], dtype=np.uint32)))
         return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    def _decode_token(self, token_id: int) -> str:
+        """One token on its own, as vLLM's ``decoded_token`` (empty without a tokenizer)."""
+        tok = getattr(getattr(self.engine, "engine", None), "tokenizer", None)
+        return "" if tok is None else tok.decode([int(token_id)])
 
     # ------------------------------------------------------------------ sending
     def _queue(self, state: _RequestState, response: Any, flags: int) -> None:
@@ -592,13 +692,13 @@ class TritonPythonModel:
 
     def _mark_cancelled(self, state: _RequestState) -> None:
         state.cancelled = True
-        if state.engine_id:
-            self.engine.abort(state.engine_id)
+        for eid in state.engine_ids:
+            self.engine.abort(eid)
 
     def _cancellation_loop(self) -> None:
         while not self._shutdown.wait(self._cancel_period):
             with self._states_lock:
-                states = [s for s in self._states.values() if not s.cancelled and not s.done]
+                states = list({id(s): s for s in self._states.values() if not s.cancelled and not s.done}.values())
             for s in states:
                 try:
                     with self._send_lock:

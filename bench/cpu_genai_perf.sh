@@ -20,8 +20,10 @@ export LD_LIBRARY_PATH="$(echo "$BENCH_VENV"/lib/python3*/site-packages/nvidia/c
 CKPT=$(.venv/bin/python -c "from glm5.tiny_checkpoint import ensure_default_checkpoint; print(ensure_default_checkpoint())")
 PORTS=$(.venv/bin/python -c "from glm5.serving.launcher import find_free_port as f; print(f(), f(), f())")
 read -r HTTP GRPC METRICS <<<"$PORTS"
+# perf_analyzer reads the model config: leave model-config open on this loopback-only benchmark server.
 .venv/bin/glm5 --log-level WARNING serve --model "$CKPT" --text-only --http-port "$HTTP" --grpc-port "$GRPC" \
-  --metrics-port "$METRICS" --max-num-seqs 16 > "$OUT/server.log" 2>&1 &
+  --metrics-port "$METRICS" --max-num-seqs 16 --restricted-apis model-repository,shared-memory,logging,statistics,trace \
+  > "$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 300); do curl -sf "127.0.0.1:$HTTP/v2/models/glm5/ready" >/dev/null && break; sleep 1; done

@@ -186,3 +186,46 @@ def test_from_dict_rejects_bad_values_naming_the_parameter(d: dict, name: str) -
 def test_from_dict_rejects_non_mapping() -> None:
     with pytest.raises(SamplingParamsError, match="JSON object"):
         SamplingParams.from_dict(["max_tokens", 3])  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- vLLM keys beyond the basics
+def test_triton_openai_frontend_default_payload_is_accepted() -> None:
+    """Triton's OpenAI frontend always sends n=1 and logprobs=false (and best_of=1 for completions)."""
+    p = SamplingParams.from_dict({"n": 1, "logprobs": False, "best_of": 1, "frequency_penalty": 0.0,
+                                  "presence_penalty": 0.0, "temperature": 1.0, "top_p": 1.0, "max_tokens": 16})
+    assert p.n == 1 and p.logprobs is None and p.num_sequences == 1
+    assert SamplingParams.from_dict({"logprobs": True}).logprobs == 1
+    assert SamplingParams.from_dict({"logprobs": "3"}).logprobs == 3
+
+
+def test_logit_bias_keys_arrive_as_strings() -> None:
+    p = SamplingParams.from_dict({"logit_bias": {"42": -100, "7": "2.5"}})
+    assert p.logit_bias == {42: -100.0, 7: 2.5}
+    assert SamplingParams.from_dict({"logit_bias": '{"3": 1}'}).logit_bias == {3: 1.0}
+    with pytest.raises(SamplingParamsError, match="logit_bias"):
+        SamplingParams.from_dict({"logit_bias": {"1": 101}})
+    with pytest.raises(SamplingParamsError, match="logit_bias"):
+        SamplingParams.from_dict({"logit_bias": {"-1": 1}})
+
+
+@pytest.mark.parametrize(("d", "needle"), [
+    ({"n": 0}, "'n'"), ({"n": 65}, "'n'"), ({"n": 3, "best_of": 2}, "best_of"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+])
+def test_new_keys_are_validated(d: dict, needle: str) -> None:
+    with pytest.raises(SamplingParamsError, match=needle):
+        SamplingParams.from_dict(d)
+
+
+def test_no_effect_keys_are_accepted_and_unsupported_keys_name_the_reason() -> None:
+    from glm5.sampling_params import NO_EFFECT_KEYS, UNSUPPORTED_KEYS
+
+    p = SamplingParams.from_dict({k: v for k, v in zip(NO_EFFECT_KEYS, (True, 0, False, {}, False))})
+    assert p == SamplingParams()
+    for key in ("structured_outputs", "guided_decoding", "use_beam_search", "lora_name"):
+        with pytest.raises(SamplingParamsError, match="not supported") as info:
+            SamplingParams.from_dict({key: '{"json": {}}'})
+        assert UNSUPPORTED_KEYS[key] in str(info.value)
+    # an explicit null of an unsupported feature asks for nothing
+    assert SamplingParams.from_dict({"structured_outputs": None}) == SamplingParams()

@@ -22,6 +22,9 @@ from glm5_client import Glm5Client, Glm5ClientError
 # acceptance metrics must reach the metrics endpoint.
 ENGINE_SETTINGS = {"cache_memory_gb": "0.05", "max_num_seqs": "8", "max_model_len": "2048",
                    "num_speculative_tokens": "2"}
+# Tighter than the default (16): one setting must bind on the ensemble path (preprocess) and the
+# direct path (glm5) alike. The other tests send at most two images.
+MEDIA_CAPS = '{"max_images": 2}'
 GREEDY = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
@@ -29,7 +32,7 @@ GREEDY = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
 def server(tiny_checkpoint_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("triton_mm") / "server.log"
     with TritonServerProcess(model_dir=str(tiny_checkpoint_dir), log_file=log, engine_overrides=ENGINE_SETTINGS,
-                             ready_timeout_s=240) as srv:
+                             media_caps=MEDIA_CAPS, ready_timeout_s=240) as srv:
         yield srv
 
 
@@ -195,3 +198,14 @@ def test_non_streaming_output_prepends_text_input_on_both_paths(server, tmp_path
         texts.append(chunks[0].text)
     assert texts[0] == texts[1]
     assert texts[0].startswith("Describe it.") and len(texts[0]) > len("Describe it.")
+
+
+@pytest.mark.parametrize("model", ["glm5_multimodal", "glm5"])
+def test_one_media_caps_setting_binds_on_the_ensemble_and_the_direct_path(server, model):
+    """``media_caps`` reaches preprocess too: three images break max_images=2 on both paths."""
+    imgs = [png_bytes(32, 32, i) for i in range(3)]
+    with Glm5Client(server.grpc_url, model=model) as c:
+        with pytest.raises(Glm5ClientError, match="max_images"):
+            c.generate(messages=chat("Three?", n_images=3), images=imgs, sampling=GREEDY)
+    assert run(server, model, messages=chat("Two.", n_images=2), images=imgs[:2])[1] == GREEDY["max_tokens"]
+

@@ -86,30 +86,6 @@ def test_stop_registry_tracks_engine_ids_per_client_id():
     assert reg.lookup("job") == set() and reg.active == {}
 
 
-def test_set_config_parameter_replaces_or_appends():
-    text = 'backend: "glm5"\nparameters { key: "model" value: { string_value: "" } }\n'
-    out = launcher.set_config_parameter(text, "model", '/ckpt/with "quote"')
-    assert 'key: "model" value: { string_value: "/ckpt/with \\"quote\\"" }' in out
-    out = launcher.set_config_parameter(out, "seed", "7")
-    assert out.count('key: "seed"') == 1 and 'string_value: "7"' in out
-
-
-def test_prepare_model_repository_fills_model_and_python_path(tmp_path: Path):
-    src = launcher.default_model_repository()
-    dest = launcher.prepare_model_repository(src, tmp_path / "repo", model_dir="/ckpt", python_path=["/a", "/b"],
-                                             engine_overrides={"max_num_seqs": "3"})
-    assert sorted(p.name for p in dest.iterdir()) == ["glm5", "glm5_multimodal", "preprocess"]
-    glm5_cfg = (dest / "glm5" / "config.pbtxt").read_text()
-    assert 'key: "model" value: { string_value: "/ckpt" }' in glm5_cfg
-    assert f'string_value: "/a{os.pathsep}/b"' in glm5_cfg
-    assert 'key: "max_num_seqs" value: { string_value: "3" }' in glm5_cfg
-    pre_cfg = (dest / "preprocess" / "config.pbtxt").read_text()
-    assert 'key: "model" value: { string_value: "/ckpt" }' in pre_cfg
-    assert "python_path" not in (dest / "glm5_multimodal" / "config.pbtxt").read_text()
-    for m in ("glm5", "preprocess", "glm5_multimodal"):
-        assert (dest / m / "1").is_dir()
-
-
 def test_backend_directory_layout(tmp_path: Path):
     inst = launcher.locate_tritonserver("pytriton")
     d = launcher.assemble_backend_dir(inst, tmp_path / "backends")

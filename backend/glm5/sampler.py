@@ -3,6 +3,9 @@
 One call handles R requests ("rows") with their own :class:`~glm5.sampling_params.SamplingParams`.
 Per row the logits go through, in this order (each step is skipped when it is a no-op):
 
+0. **allowed_token_ids** (every other token gets ``-inf``), **bad_words** (:func:`apply_bad_words`)
+   and **logit_bias** (added to the listed tokens' logits), as vLLM's logits processors apply them
+   before the penalties (:func:`apply_logit_bias`);
 1. **penalties** (vLLM definitions): repetition penalty ``r`` on every token seen in the prompt or
    the output so far (``logit / r`` where the logit is > 0, ``logit * r`` otherwise), then
    ``logit -= frequency_penalty * count`` and ``logit -= presence_penalty * (count > 0)`` with
@@ -153,6 +156,53 @@ def apply_penalties(
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``allowed_token_ids`` masking, then ``logit_bias`` addition, in place (rows without either
+    are untouched). Token ids are validated against the vocabulary at admission."""
+    vocab = logits.shape[1]
+    device = logits.device
+    for i, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            keep = torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=device)
+            if int(keep.max()) >= vocab:
+                raise ValueError(f"row {i}: allowed_token_ids has id {int(keep.max())} outside the vocabulary [0, {vocab})")
+            mask = torch.ones(vocab, dtype=torch.bool, device=device)
+            mask[keep] = False
+            logits[i].masked_fill_(mask, float("-inf"))
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=device)
+            if int(ids.max()) >= vocab:
+                raise ValueError(f"row {i}: logit_bias has id {int(ids.max())} outside the vocabulary [0, {vocab})")
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=device)
+            logits[i].index_add_(0, ids, bias)
+    return logits
+
+
+def bad_word_token_ids(tokenizer, words: Sequence[str]) -> list[list[int]]:
+    """Token sequences of ``bad_words``: each word as written and with one leading space (vLLM's rule,
+    since a word inside a sentence is usually tokenized with its space), duplicates dropped."""
+    out: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
+def apply_bad_words(logits: torch.Tensor, bad_words_token_ids: Sequence[Sequence[Sequence[int]] | None],
+                    output_token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Ban (``-inf``, in place) the last token of each bad-word sequence whose other tokens end the
+    row's output so far."""
+    for i, seqs in enumerate(bad_words_token_ids):
+        out = list(output_token_ids[i])
+        for ids in seqs or ():
+            prefix = list(ids[:-1])
+            if not prefix or out[len(out) - len(prefix):] == prefix:
+                logits[i, ids[-1]] = float("-inf")
+    return logits
+
+
 def min_tokens_banned_ids(params: SamplingParams, eos_token_ids: Sequence[int]) -> list[int]:
     """Token ids that must not be sampled while ``min_tokens`` is not reached for a row."""
     banned = list(params.stop_token_ids)
@@ -258,6 +308,7 @@ class Sampler:
         output_token_ids: Sequence[Sequence[int]],
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         eos_token_ids: Sequence[Sequence[int]] | None = None,
+        bad_words_token_ids: Sequence[Sequence[Sequence[int]] | None] | None = None,
     ) -> torch.Tensor:
         """Return the fully processed fp32 logits ``[R, V]`` (steps 1-4 of the module docstring).
 
@@ -265,19 +316,25 @@ class Sampler:
         useful to a speculative-decoding verifier that needs the target distribution.
         """
         x = self._penalize(logits, params, output_token_ids=output_token_ids, prompt_token_ids=prompt_token_ids,
-                           eos_token_ids=eos_token_ids)
+                           eos_token_ids=eos_token_ids, bad_words_token_ids=bad_words_token_ids)
         return self._temper_and_filter(x, params)
 
     def _penalize(self, logits: torch.Tensor, params: Sequence[SamplingParams], *,
                   output_token_ids: Sequence[Sequence[int]], prompt_token_ids: Sequence[Sequence[int]] | None,
-                  eos_token_ids: Sequence[Sequence[int]] | None) -> torch.Tensor:
-        """Steps 1-2 on an fp32 copy: penalties and min-tokens masking."""
+                  eos_token_ids: Sequence[Sequence[int]] | None,
+                  bad_words_token_ids: Sequence[Sequence[Sequence[int]] | None] | None = None) -> torch.Tensor:
+        """Steps 0-2 on an fp32 copy: logit bias / allowed tokens, penalties, min-tokens masking."""
         rows = logits.shape[0]
         _check_rows("params", params, rows)
         _check_rows("output_token_ids", output_token_ids, rows)
         _check_rows("prompt_token_ids", prompt_token_ids, rows)
         _check_rows("eos_token_ids", eos_token_ids, rows)
         x = logits.to(torch.float32, copy=True)
+        if bad_words_token_ids is not None and any(bad_words_token_ids):
+            _check_rows("bad_words_token_ids", bad_words_token_ids, rows)
+            apply_bad_words(x, bad_words_token_ids, output_token_ids)
+        if any(p.logit_bias or p.allowed_token_ids is not None for p in params):
+            apply_logit_bias(x, params)
         apply_penalties(x, params, output_token_ids, prompt_token_ids)
         if any(p.min_tokens > 0 for p in params):
             if eos_token_ids is None:
@@ -324,6 +381,7 @@ class Sampler:
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         generators: Sequence[torch.Generator | None] | None = None,
         eos_token_ids: Sequence[Sequence[int]] | None = None,
+        bad_words_token_ids: Sequence[Sequence[Sequence[int]] | None] | None = None,
     ) -> SamplerOutput:
         """Sample one token per row.
 
@@ -335,6 +393,7 @@ class Sampler:
             generators: per-row generator from :func:`make_generator`; required for rows with a
                 ``seed`` that sample (``temperature > 0``); ``None`` entries use the shared one.
             eos_token_ids: each row's EOS ids (masked while ``min_tokens`` is not reached).
+            bad_words_token_ids: each row's bad-word token sequences (:func:`bad_word_token_ids`).
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
@@ -354,7 +413,7 @@ class Sampler:
             raw_lp = torch.log_softmax(logits.index_select(0, lp_idx).to(torch.float32), dim=1)
 
         pen = self._penalize(logits, params, output_token_ids=output_token_ids, prompt_token_ids=prompt_token_ids,
-                             eos_token_ids=eos_token_ids)
+                             eos_token_ids=eos_token_ids, bad_words_token_ids=bad_words_token_ids)
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         fused = self._flashinfer_rows(sampled, generators, logits.device)
         # FlashInfer filters its rows itself; torch still does it for those that want processed logprobs

@@ -15,7 +15,25 @@ Clients talk to this server with the vocabulary of the Triton vLLM backend (a JS
 * ``min_tokens``: EOS and ``stop_token_ids`` are masked until that many tokens exist, and stop
   strings are not searched before then.
 * ``logprobs``: ``None`` = none; ``n`` in 0..20 = the sampled token's logprob plus the top ``n``
-  alternatives (raw logprobs, see :mod:`glm5.sampler`).
+  alternatives (raw logprobs, see :mod:`glm5.sampler`). A JSON boolean is read the way vllm_backend
+  reads it for Triton's OpenAI frontend: ``false`` = none, ``true`` = 1.
+* ``prompt_logprobs``: ``None`` = none; ``k`` in 0..20 = the logprob of every prompt token after the
+  first (given the tokens before it) plus the top ``k`` alternatives at each position.
+* ``n`` / ``best_of``: ``n`` independent sequences per request (``best_of`` >= ``n`` candidates, the
+  ``n`` with the highest cumulative logprob are returned). The engine runs one sequence per
+  request: serving layers fan a request out with :meth:`SamplingParams.for_sequence`, which gives
+  sequence ``i`` the seed ``seed + i`` (vLLM's rule), so a seeded request is reproducible.
+* ``logit_bias`` (token id -> added logit) and ``allowed_token_ids`` (only these may be sampled)
+  are applied to the logits before the penalties, as vLLM's logits processors do.
+* ``truncate_prompt_tokens``: keep only the last ``k`` prompt tokens (``-1`` = as many as
+  ``max_model_len`` allows).
+* ``bad_words``: words that must not be generated. Like vLLM, each word is tokenized as is and with
+  a leading space, and the last token of such a sequence is banned whenever the output so far ends
+  with the sequence's other tokens (a one-token word is always banned).
+
+Keys vLLM's ``SamplingParams`` has that change nothing here are accepted and documented in
+:data:`NO_EFFECT_KEYS`; keys whose feature this engine does not have are rejected with the reason
+(:data:`UNSUPPORTED_KEYS`) rather than silently ignored.
 
 Invalid values raise :class:`SamplingParamsError` (a ``ValueError``) naming the parameter, the
 value and the accepted range, so the Triton model can answer ``INVALID_ARG`` with that message.
@@ -35,6 +53,36 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 
 #: Largest ``logprobs`` value accepted (vLLM's default ``max_logprobs`` is 20).
 MAX_LOGPROBS = 20
+
+#: Largest ``n`` / ``best_of`` (each sequence is one engine request).
+MAX_SEQUENCES = 64
+
+#: Largest absolute ``logit_bias`` value (OpenAI's range; a larger bias cannot change the result).
+MAX_LOGIT_BIAS = 100.0
+
+#: vLLM ``SamplingParams`` keys that are accepted and have no effect here, with the reason.
+NO_EFFECT_KEYS: dict[str, str] = {
+    "spaces_between_special_tokens": "the GLM tokenizer is a fast tokenizer, whose decode ignores it (as in vLLM)",
+    "output_kind": "the Triton response protocol fixes the output form (deltas when streaming, one response otherwise)",
+    "flat_logprobs": "an in-process container choice of vLLM; the logprobs output JSON is the same",
+    "extra_args": "reserved by vLLM for custom sampling plugins; nothing in-tree reads it",
+    "skip_clone": "an internal vLLM flag",
+}
+
+#: vLLM keys that name a feature this engine does not implement: rejected with these reasons.
+UNSUPPORTED_KEYS: dict[str, str] = {
+    "structured_outputs": "structured output (JSON schema / regex / grammar constrained decoding) is not implemented",
+    "guided_decoding": "guided (structured) decoding is not implemented",
+    "guided_json": "guided (structured) decoding is not implemented",
+    "guided_regex": "guided (structured) decoding is not implemented",
+    "guided_choice": "guided (structured) decoding is not implemented",
+    "guided_grammar": "guided (structured) decoding is not implemented",
+    "use_beam_search": "beam search is not implemented (vLLM removed it from SamplingParams too)",
+    "length_penalty": "beam search is not implemented",
+    "early_stopping": "beam search is not implemented",
+    "logits_processors": "custom logits processors are Python callables and cannot be sent in a request",
+    "lora_name": "LoRA feature is not enabled (this model serves no LoRA adapters)",
+}
 
 #: Range of ``torch.Generator.manual_seed``.
 _SEED_MIN = -(2**63)
@@ -74,6 +122,14 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    n: int = 1
+    best_of: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -84,6 +140,8 @@ class SamplingParams:
             self.stop = list(self.stop)
         if isinstance(self.stop_token_ids, tuple):
             self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self.validate()
 
     # ------------------------------------------------------------------ derived properties
@@ -102,6 +160,21 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         """True when any of the three penalties changes the logits."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the request runs: ``best_of`` when set, else ``n``."""
+        return self.best_of if self.best_of is not None else self.n
+
+    def for_sequence(self, index: int) -> "SamplingParams":
+        """The parameters of sequence ``index`` of an ``n`` / ``best_of`` request: one sequence,
+        seed ``seed + index`` (vLLM's parallel-sampling rule; unseeded stays unseeded)."""
+        if not 0 <= index < self.num_sequences:
+            raise ValueError(f"sequence index {index} is outside [0, {self.num_sequences})")
+        seed = None if self.seed is None else self.seed + index
+        if seed is not None and seed > _SEED_MAX:
+            seed -= _SEED_MAX - _SEED_MIN + 1
+        return dataclasses.replace(self, n=1, best_of=None, seed=seed)
 
     # ------------------------------------------------------------------ validation
     def validate(self, vocab_size: int | None = None) -> None:
@@ -149,6 +222,40 @@ class SamplingParams:
                 raise _err("logprobs", self.logprobs, f"null or an integer in [0, {MAX_LOGPROBS}]")
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        _check_bool("detokenize", self.detokenize)
+        _check_int("n", self.n, desc=f"an integer in [1, {MAX_SEQUENCES}]")
+        if not 1 <= self.n <= MAX_SEQUENCES:
+            raise _err("n", self.n, f"an integer in [1, {MAX_SEQUENCES}]")
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, desc=f"null or an integer in [n, {MAX_SEQUENCES}]")
+            if not self.n <= self.best_of <= MAX_SEQUENCES:
+                raise _err("best_of", self.best_of, f"null or an integer in [n (= {self.n}), {MAX_SEQUENCES}]")
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, desc=f"null or an integer in [0, {MAX_LOGPROBS}]")
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise _err("prompt_logprobs", self.prompt_logprobs, f"null or an integer in [0, {MAX_LOGPROBS}]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise _err("logit_bias", self.logit_bias, "an object mapping token ids to biases")
+            for t, b in self.logit_bias.items():
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                    bound = f" < vocab size {vocab_size}" if vocab_size is not None else ""
+                    raise _err("logit_bias", {t: b}, f"token ids >= 0{bound} as keys (bad key {t!r})")
+                if not _is_real(b) or not math.isfinite(b) or abs(b) > MAX_LOGIT_BIAS:
+                    raise _err("logit_bias", {t: b}, f"biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise _err("allowed_token_ids", self.allowed_token_ids, "null or a non-empty list of token ids")
+            for t in self.allowed_token_ids:
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                    raise _err("allowed_token_ids", self.allowed_token_ids, f"token ids in the vocabulary (bad entry {t!r})")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise _err("bad_words", self.bad_words, "null or a list of non-empty strings")
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, desc="null, -1, or an integer >= 1")
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                raise _err("truncate_prompt_tokens", self.truncate_prompt_tokens, "null, -1, or an integer >= 1")
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -163,14 +270,21 @@ class SamplingParams:
         Each value is coerced by its field's type: ``"32"`` -> 32 for integer fields, ``"0.7"`` ->
         0.7 for float fields, ``"true"``/``"false"`` (also ``"1"``/``"0"``) -> bool, ``null`` or
         ``"null"``/``"none"`` -> ``None`` for optional fields. A JSON-encoded list is accepted for
-        ``stop_token_ids`` / ``stop`` when it arrives as a string starting with ``[``. Unknown keys
-        are rejected with the list of valid ones.
+        ``stop_token_ids`` / ``stop`` when it arrives as a string starting with ``[``. Keys in
+        :data:`NO_EFFECT_KEYS` are accepted and dropped; keys in :data:`UNSUPPORTED_KEYS` and
+        unknown keys are rejected with the reason or the list of valid ones.
         """
         if not isinstance(d, Mapping):
             raise SamplingParamsError(f"sampling parameters must be a JSON object, got {type(d).__name__}: {d!r}")
         valid = cls.field_names()
         kwargs: dict[str, Any] = {}
         for key, value in d.items():
+            if key in NO_EFFECT_KEYS:
+                continue
+            if key in UNSUPPORTED_KEYS and value is not None:
+                raise SamplingParamsError(f"sampling parameter {key!r} is not supported: {UNSUPPORTED_KEYS[key]}.")
+            if key in UNSUPPORTED_KEYS:
+                continue
             if key not in _COERCERS:
                 raise SamplingParamsError(
                     f"unknown sampling parameter {key!r} (value {value!r}); valid parameters: {', '.join(valid)}."
@@ -284,6 +398,28 @@ def _to_stop(name: str, value: Any) -> list[str] | None:
     raise _err(name, value, "a string or a list of strings")
 
 
+def _to_logprobs(name: str, value: Any) -> int | None:
+    """``logprobs`` as vllm_backend reads it: a JSON boolean from Triton's OpenAI frontend
+    (``false`` = none, ``true`` = 1), otherwise an optional integer."""
+    if isinstance(value, bool):
+        return 1 if value else None
+    return _optional(_to_int)(name, value)
+
+
+def _to_logit_bias(name: str, value: Any) -> dict[int, float] | None:
+    """JSON object keys are strings: ``{"42": -100}`` -> ``{42: -100.0}``."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise _err(name, value, f"a JSON object ({exc})") from None
+    if not isinstance(value, Mapping):
+        raise _err(name, value, "an object mapping token ids to biases")
+    return {_to_int(name, k): _to_float(name, v) for k, v in value.items()}
+
+
 def _to_id_list(name: str, value: Any) -> list[int]:
     if value is None:
         return []
@@ -307,9 +443,17 @@ _COERCERS: dict[str, Any] = {
     "repetition_penalty": _to_float,
     "presence_penalty": _to_float,
     "frequency_penalty": _to_float,
-    "logprobs": _optional(_to_int),
+    "logprobs": _to_logprobs,
     "skip_special_tokens": _to_bool,
     "include_stop_str_in_output": _to_bool,
+    "n": _to_int,
+    "best_of": _optional(_to_int),
+    "prompt_logprobs": _to_logprobs,
+    "logit_bias": _to_logit_bias,
+    "allowed_token_ids": _optional(_to_id_list),
+    "truncate_prompt_tokens": _optional(_to_int),
+    "detokenize": _to_bool,
+    "bad_words": _to_stop,
 }
 if set(_COERCERS) != {f.name for f in dataclasses.fields(SamplingParams)}:  # keep the two in sync
     raise RuntimeError("glm5.sampling_params: _COERCERS does not cover exactly the SamplingParams fields")

@@ -3,6 +3,7 @@
     glm5-client "Describe the picture" --image cat.jpg --stream
     glm5-client --http --url 127.0.0.1:8000 "Hello" --max-tokens 32
     glm5-client bench --concurrency 16 --num-requests 64 "Hello"
+    glm5-client soak --streams 64 --minutes 10 --hostile --cancel-fraction 0.1 --pid PID --metrics-url URL
 
 Streaming prints each delta as it arrives; a summary line (TTFT, tokens/s, finish reason) goes to
 stderr so stdout stays the generated text. ``--json`` prints one JSON object instead.
@@ -197,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         return _main_bench(argv[1:])
     if argv and argv[0] == "stop":
         return _main_stop(argv[1:])
+    if argv and argv[0] == "soak":
+        from .soak import main as soak_main
+
+        return soak_main(argv[1:])
     return _main_generate(argv)
 
 

@@ -168,6 +168,13 @@ def _first(arr: np.ndarray | None) -> Any:
     return v.decode("utf-8", errors="replace") if isinstance(v, bytes) else v
 
 
+def _finish_reason(value: Any) -> str | None:
+    """The server sends vllm_backend's ``"None"`` for a sequence that has not finished."""
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", errors="replace")
+    return None if value in (None, "", "None") else str(value)
+
+
 def chunk_from_infer_result(result: Any) -> GenerationChunk:
     """Build a chunk from a tritonclient gRPC ``InferResult``."""
     now = time.perf_counter()
@@ -182,7 +189,7 @@ def chunk_from_infer_result(result: Any) -> GenerationChunk:
     n_out = result.as_numpy("num_output_tokens") if "num_output_tokens" in names else None
     n_in = _first(result.as_numpy("num_input_tokens")) if "num_input_tokens" in names else None
     lp = _first(result.as_numpy("logprobs")) if "logprobs" in names else None
-    return GenerationChunk(text=text, final=final, finish_reason=reason or None,
+    return GenerationChunk(text=text, final=final, finish_reason=_finish_reason(reason),
                            num_output_tokens=int(n_out.sum()) if n_out is not None else None,
                            num_input_tokens=int(n_in) if n_in is not None else None,
                            logprobs=json.loads(lp) if lp else None, received_at=now)
@@ -205,7 +212,7 @@ def chunk_from_json(obj: dict[str, Any], final: bool) -> GenerationChunk:
         n_out = sum(int(x) for x in n_out)
     lp = scalar("logprobs")
     n_in = scalar("num_input_tokens")
-    return GenerationChunk(text=str(text), final=final, finish_reason=scalar("finish_reason") or None,
+    return GenerationChunk(text=str(text), final=final, finish_reason=_finish_reason(scalar("finish_reason")),
                            num_output_tokens=None if n_out is None else int(n_out),
                            num_input_tokens=None if n_in is None else int(n_in),
                            logprobs=json.loads(lp) if lp else None)

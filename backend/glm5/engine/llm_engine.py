@@ -22,11 +22,12 @@ from glm5.config import ModelConfig
 from glm5.engine.args import EngineArgs
 from glm5.engine.model_runner import ModelRunner
 from glm5.engine.outputs import CompletionOutput, EngineStats, PromptInput, RequestOutput
+from glm5.engine.prompt_logprobs import score as score_prompt_logprobs
 from glm5.engine.scheduler import Scheduler
 from glm5.engine.sequence import MultiModalData, Sequence
 from glm5.engine.spec_decode import SpecStats, draw, greedy_verify, rejection_sample, target_distributions
 from glm5.detokenizer import RequestOutputProcessor
-from glm5.sampler import Sampler, TokenLogprobs, make_generator
+from glm5.sampler import Sampler, TokenLogprobs, bad_word_token_ids, make_generator
 from glm5.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class _RequestState:
     seq: Sequence
     proc: RequestOutputProcessor
     prompt_text: str | None
+    prompt_logprobs_sent: bool = False
 
 
 def _logprob_dict(lp: TokenLogprobs | None) -> dict | None:
@@ -222,6 +224,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running; use a unique id")
         params = params or SamplingParams()
         params.validate(vocab_size=self.model_config.text.vocab_size)
+        if params.num_sequences > 1:
+            raise ValueError(f"n={params.n} / best_of={params.best_of}: the engine runs one sequence per request; "
+                             "add one request per sequence with params.for_sequence(i)")
         if isinstance(prompt, str):
             prompt = PromptInput(text=prompt)
         elif isinstance(prompt, list):
@@ -230,6 +235,12 @@ class LLMEngine:
         ids, mm, prompt_text = processed if len(processed) == 3 else (*processed, None)
         if not ids:
             raise ValueError("the prompt is empty: send at least one token")
+        if params.truncate_prompt_tokens is not None:
+            if mm is not None:
+                raise ValueError("truncate_prompt_tokens cannot cut a prompt with images or videos (their "
+                                 "placeholder tokens would be lost); send the prompt without it")
+            keep = self.max_model_len - 1 if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            ids = ids[-keep:]
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens but max_model_len={self.max_model_len} leaves no room "
                              "to generate; shorten the prompt or raise max_model_len (and the cache: num_cache_blocks "
@@ -238,6 +249,10 @@ class LLMEngine:
                        eos_token_ids=self.eos_token_ids, arrival_order=next(self._order), mm=mm)
         if params.seed is not None:
             seq.generator = make_generator(params.seed)
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words needs the checkpoint's tokenizer; ban token ids with logit_bias instead")
+            seq.bad_words_token_ids = bad_word_token_ids(self.tokenizer, params.bad_words)
         if self.spec_stats is not None:
             seq.spec_stats = SpecStats(self.args.num_speculative_tokens)
         proc = RequestOutputProcessor(self.tokenizer or _NoTextTokenizer(), ids, params, self.eos_token_ids)
@@ -263,11 +278,14 @@ class LLMEngine:
     def _output(self, st: _RequestState, new_ids: list[int], text: str, finished: bool,
                 logprobs: list[dict] | None = None) -> RequestOutput:
         s = st.seq
+        prompt_lps = None
+        if s.params.prompt_logprobs is not None and not st.prompt_logprobs_sent:
+            prompt_lps, st.prompt_logprobs_sent = list(s.prompt_logprobs), True
         return RequestOutput(request_id=s.request_id, text=text, token_ids=new_ids, finished=finished,
                              finish_reason=s.finish_reason if finished else None,
                              num_prompt_tokens=s.num_prompt_tokens, num_output_tokens=len(s.output_token_ids),
                              logprobs=logprobs, prompt_text=st.prompt_text, metrics=s.metrics,
-                             stop_reason=s.stop_reason)
+                             stop_reason=s.stop_reason, prompt_logprobs=prompt_lps)
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
@@ -275,6 +293,8 @@ class LLMEngine:
         if not sched.chunks:
             return outputs
         batch, model_out, sample_idx = self.runner.execute(sched)
+        for ci, row, n, p0 in batch.prompt_logprob_rows:
+            score_prompt_logprobs(sched.chunks[ci].seq, model_out.logits[row:row + n], p0)
         valid_rows: dict[int, int] = {}
         for ci, c in enumerate(sched.chunks):
             valid_rows[ci] = c.num_tokens - c.num_drafts
@@ -287,7 +307,8 @@ class LLMEngine:
             result = self.sampler.sample(
                 model_out.logits[rows], [s.params for s in seqs], generators=[s.generator for s in seqs],
                 output_token_ids=[s.output_token_ids for s in seqs], prompt_token_ids=[s.prompt_token_ids for s in seqs],
-                eos_token_ids=[s.eos_token_ids for s in seqs])
+                eos_token_ids=[s.eos_token_ids for s in seqs],
+                bad_words_token_ids=[s.bad_words_token_ids for s in seqs])
             tokens = result.token_ids.tolist()
             for k, (ci, _) in enumerate(plain):
                 new_tokens[ci] = ([tokens[k]], [_logprob_dict(result.logprobs[k])])
@@ -329,8 +350,8 @@ class LLMEngine:
 
     def _num_drafts(self, seq: Sequence) -> int:
         p = seq.params
-        if p.logprobs is not None:  # logprobs of verified tokens are not computed: no speculation
-            return 0
+        if p.logprobs is not None or p.bad_words:  # logprobs / bad words are applied on the sampling path
+            return 0                                  # only, not to verified drafts: no speculation
         room = min(p.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens)
         return max(0, min(self.args.num_speculative_tokens, room - 1))
 
@@ -457,6 +478,8 @@ class LLMEngine:
                 r.text += out.text
                 if out.logprobs and r.logprobs is not None:
                     r.logprobs.extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    r.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     r.finish_reason, r.metrics = out.finish_reason, out.metrics
         return [results[r] for r in ids]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +19,7 @@ from glm5.cache.hybrid_cache import CacheConfig, HybridCache
 from glm5.config import ModelConfig
 from glm5.distributed import ParallelContext
 from glm5.engine.cuda_graph import DecodeAttentionPlanner, DecodeGraphRunner, DecodeRows, DecodeStager, graph_buckets
+from glm5.engine.prompt_logprobs import prompt_rows
 from glm5.engine.scheduler import SchedulerOutput
 from glm5.engine.sequence import MultiModalData, Sequence
 from glm5.layers.batch import ForwardBatch, SeqChunk
@@ -86,6 +87,8 @@ class PackedStep:
     logits_rows: list[int]
     mm_rows: list[int] | None = None
     mm_embeds: torch.Tensor | None = None   # [M, H] on the host
+    # prompt logprobs: (chunk index, first logits row, rows, first position), see glm5.engine.prompt_logprobs
+    prompt_logprob_rows: list = field(default_factory=list)
 
 
 class ModelRunner:
@@ -208,7 +211,7 @@ class ModelRunner:
         """The step as host data (vision embeddings computed first). Also returns, per sampling chunk,
         ``(chunk index, first logits row, rows)``: one row for a plain chunk, ``1 + drafts`` for a verification
         chunk."""
-        ids, pos, chunks, logit_rows, sample_idx = [], [], [], [], []
+        ids, pos, chunks, logit_rows, sample_idx, prompt_lp = [], [], [], [], [], []
         mm_rows, mm_embeds = [], []
         start = 0
         self.encode_multimodal([c.seq for c in sched.chunks])
@@ -228,13 +231,18 @@ class ModelRunner:
                 if sel.any():
                     mm_rows.extend((s.mm.positions[sel] - lo + start).tolist())
                     mm_embeds.append(s.mm.embeds[sel])
+            scored = prompt_rows(s, lo, hi)
+            if scored is not None:
+                prompt_lp.append((ci, len(logit_rows), scored[1] - scored[0], scored[0]))
+                logit_rows.extend(range(start + scored[0] - lo, start + scored[1] - lo))
             if c.samples:
                 n_rows = 1 + c.num_drafts
                 sample_idx.append((ci, len(logit_rows), n_rows))
                 logit_rows.extend(range(start + c.num_tokens - n_rows, start + c.num_tokens))
             start += c.num_tokens
         step = PackedStep(input_ids=ids, positions=pos, chunks=chunks, logits_rows=logit_rows,
-                          mm_rows=mm_rows or None, mm_embeds=torch.cat(mm_embeds).cpu() if mm_embeds else None)
+                          mm_rows=mm_rows or None, mm_embeds=torch.cat(mm_embeds).cpu() if mm_embeds else None,
+                          prompt_logprob_rows=prompt_lp)
         return step, sample_idx
 
     def batch_from(self, step: PackedStep, shared_pools: dict | None = None) -> ForwardBatch:
@@ -249,7 +257,7 @@ class ModelRunner:
             logits_indices=torch.tensor(step.logits_rows, dtype=torch.long, device=dev),
             mm_embeds=step.mm_embeds.to(dev) if step.mm_embeds is not None else None,
             mm_rows=torch.tensor(step.mm_rows, dtype=torch.long, device=dev) if step.mm_rows else None,
-            shared_pools=shared_pools)
+            shared_pools=shared_pools, prompt_logprob_rows=list(step.prompt_logprob_rows))
 
     def prepare(self, sched: SchedulerOutput) -> tuple[ForwardBatch, list[tuple[int, int, int]]]:
         """Pack the step into a device batch (see :meth:`pack`)."""
@@ -305,7 +313,7 @@ class ModelRunner:
         for c in sched.chunks:
             s = c.seq
             lo = s.num_computed_tokens
-            if c.num_tokens != 1 or c.num_drafts:
+            if c.num_tokens != 1 or c.num_drafts or prompt_rows(s, lo, lo + 1) is not None:
                 return None
             if s.mm is not None and (s.mm.positions is None or bool((s.mm.positions == lo).any())):
                 return None  # not encoded yet (prepare() encodes) or the row is a placeholder

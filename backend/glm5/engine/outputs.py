@@ -33,6 +33,8 @@ class RequestOutput:
     prompt_text: str | None = None
     metrics: RequestMetrics | None = None
     stop_reason: str | int | None = None
+    # every prompt token's logprob record (None for token 0), on the request's first output only
+    prompt_logprobs: list[dict | None] | None = None
 
 
 @dataclass
@@ -63,3 +65,4 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[dict] | None = None
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[dict | None] | None = None

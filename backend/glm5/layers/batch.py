@@ -65,6 +65,8 @@ class ForwardBatch:
     shared_pools: dict | None = None
     # set for pure decode steps on the batched path (see DecodeMeta)
     decode: DecodeMeta | None = None
+    # logits rows that score prompt tokens: (chunk index, first logits row, rows, first position)
+    prompt_logprob_rows: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

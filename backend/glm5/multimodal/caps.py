@@ -80,6 +80,24 @@ class MediaCaps:
             raise ValueError(f"unknown MediaCaps keys {unknown}; valid keys: {sorted(known)}")
         return cls(**values)
 
+    @classmethod
+    def from_json(cls, text: str | None) -> "MediaCaps | None":
+        """Caps from the ``media_caps`` setting (a JSON object of field overrides); empty means defaults.
+
+        Every model that takes media (``glm5`` and ``preprocess``) reads its caps through this one
+        function from the same setting, so both paths enforce the same limits.
+        """
+        if text is None or not str(text).strip():
+            return None
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"media_caps is not valid JSON ({exc.msg} at position {exc.pos}): {text[:80]!r}; "
+                             'expected an object such as {"max_images": 4}') from exc
+        if not isinstance(values, dict):
+            raise ValueError(f'media_caps must be a JSON object such as {{"max_images": 4}}, got {text[:80]!r}')
+        return cls.from_dict(values)
+
 
 @dataclasses.dataclass(frozen=True)
 class ProcessorSettings:

@@ -132,6 +132,8 @@ class OutputFlags:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_logprobs: bool = False
+    return_cumulative_logprob: bool = False
+    return_num_cached_tokens: bool = False
     # what non-streaming responses prepend: ``text_input`` when the request has one (vllm_backend's
     # rule, the same on the direct and the ensemble path), else the engine's rendered prompt
     prompt_prefix: str | None = None
@@ -150,6 +152,13 @@ def output_flags(stream: bool | None, exclude_input_in_output: bool | None, **re
         raise RequestError("exclude_input_in_output=false is not supported with stream=true; "
                            "omit it or set it to true")
     return OutputFlags(stream=s, prepend_input=prepend, **{k: bool(v) for k, v in returns.items()})
+
+
+def check_sequences(params: Any, flags: OutputFlags) -> None:
+    """``best_of`` > ``n`` picks the best candidates at the end, so it cannot stream (vLLM's rule)."""
+    if params.num_sequences > params.n and flags.stream:
+        raise RequestError(f"best_of={params.best_of} > n={params.n} ranks the candidates when they finish and "
+                           "cannot stream; set stream=false or best_of=n")
 
 
 @dataclass

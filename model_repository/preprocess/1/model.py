@@ -47,7 +47,8 @@ class TritonPythonModel:
                 "preprocess needs parameters { key: \"model\" value: { string_value: \"/path/to/checkpoint\" } }")
         from glm5.tokenizer import load_tokenizer, render_chat
 
-        caps = MediaCaps.from_dict(json.loads(params["media_caps"])) if params.get("media_caps") else None
+        # The same setting and parser as the glm5 model (glm5 serve writes one value into both).
+        caps = MediaCaps.from_json(params.get("media_caps"))
         self._rq = rq
         self._render_chat = render_chat
         self._bad = (rq.RequestError, MediaError, ValueError)
