@@ -181,3 +181,21 @@ def test_cli_generate_tp2_ep_spec_matches_single_process(tiny_checkpoint_dir, re
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["token_ids"] == reference[0]
     assert out["speculative"]["steps"] > 0
+
+
+def test_world_of_one_through_the_executor_matches_single_process(tiny_checkpoint_dir, reference):
+    """``distributed=True`` at world size 1: the process group, the step messages and every collective run."""
+    tokens, eng = run_distributed(tiny_checkpoint_dir, distributed=True)
+    try:
+        assert tokens == reference and eng.runner.worker_pids() == [] and eng.runner.par.distributed
+    finally:
+        eng.shutdown()
+
+
+def test_a_split_that_does_not_divide_fails_before_any_process_starts(tiny_checkpoint_dir):
+    from glm5.distributed.parallel_state import ParallelConfigError
+
+    before = children(os.getpid())
+    with pytest.raises(ParallelConfigError, match="tensor_parallel_size=3 does not divide num_attention_heads=4"):
+        LLMEngine(EngineArgs(model=str(tiny_checkpoint_dir), tensor_parallel_size=3, **SETTINGS))
+    assert children(os.getpid()) == before

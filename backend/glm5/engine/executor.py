@@ -244,6 +244,7 @@ class DistributedRunner(ModelRunner):
         self._steps = 0
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
+        self._finalizer: weakref.finalize | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -291,7 +292,13 @@ class DistributedRunner(ModelRunner):
         except Exception as e:  # reported with the workers' outcomes below
             error = f"{type(e).__name__}: {e}"
             logger.exception("rank 0 failed to load its shard")
-        status = gather_status(par, error)
+        try:
+            status = gather_status(par, error)
+        except Exception as e:  # a worker died while loading: its exit code and log say why
+            dead = workers.dead() if workers is not None else None
+            status = [None] * world
+            status[dead[0] if dead else 1] = (f"exited with code {dead[2]} while loading; last lines of its log:\n"
+                                              f"{workers.log_tail(dead[0])}" if dead else f"{type(e).__name__}: {e}")
         failed = [(r, s) for r, s in enumerate(status) if s is not None]
         if failed:
             destroy_parallel_context(par)
@@ -320,6 +327,7 @@ class DistributedRunner(ModelRunner):
                 self._failure = self._worker_error(*dead)
                 logger.error("%s", self._failure)
                 abort_process_groups()  # unblock a collective waiting on the dead rank (NCCL)
+                self.workers.stop(timeout=5.0)  # the others cannot continue without it
                 return
 
     def _worker_error(self, rank: int, pid: int, code: int) -> ExecutorError:
@@ -328,6 +336,12 @@ class DistributedRunner(ModelRunner):
         return ExecutorError(f"worker rank {rank} (pid {pid}) {how}; the engine cannot continue and must be "
                              f"restarted" + (f". Last lines of its log {self.workers.log_path(rank)}:\n{tail}"
                                              if tail else ""))
+
+    @property
+    def failure(self) -> ExecutorError | None:
+        """Why the executor can no longer run the model (``None`` while it can): set by the watchdog as soon as a
+        worker exits, so a health check can report the engine as not ready before the next step fails."""
+        return self._failure
 
     def _check(self) -> None:
         if self._failure is not None:
@@ -471,7 +485,8 @@ class DistributedRunner(ModelRunner):
         if self.workers is not None:
             self.workers.stop()
         destroy_parallel_context(self.par)
-        self._finalizer.detach()
+        if self._finalizer is not None:
+            self._finalizer.detach()
 
 
 def _is_comm_error(e: BaseException) -> bool:
