@@ -17,10 +17,22 @@ Threads inside the stub (one model instance serves every request; ``execute`` ne
   ``metrics_interval_ms`` and records per-request latency histograms.
 
 A request is cancelled → ``engine.abort(id)`` → the stream ends with ``finish_reason="abort"`` →
-a final ``CANCELLED`` error response. A ``stop=true`` request with the same request id as a running
-request aborts it too; that is the only way to stop a request that came through the
-``glm5_multimodal`` ensemble, because Triton 2.51 does not pass client cancellation on to an
-ensemble step that is already running.
+a final ``CANCELLED`` error response. A ``stop=true`` request aborts a running request when it names
+the same request id *and* presents the ``stop_key`` that request was sent with (ownership: Triton
+2.51 gives a model no client identity, so the key is the proof); that is the only way to stop a
+request that came through the ``glm5_multimodal`` ensemble, because Triton 2.51 does not pass client
+cancellation on to an ensemble step that is already running. A request id is live from admission
+until its final response: a second request with a live id gets ``ALREADY_EXISTS``.
+
+Parsing, tokenization and media decoding never run on the asyncio loop or the engine loop (an
+executor thread parses; the engine's bounded worker pool prepares the prompt). A request that fails
+inside an engine step gets ``INTERNAL`` and the others go on. When the engine dies of an
+unrecoverable (device) error the model answers ``UNAVAILABLE`` and takes the server down: Triton
+2.51 has no way for a Python model to report "not ready" (the stub may even die while
+``/v2/health/ready`` says 200), so the backend sends SIGTERM to its tritonserver parent and does not
+finish ``finalize`` while the dead engine cannot be released; tritonserver then exits with code 1
+("Exit timeout expired") after ``--exit-timeout-secs``, which tells a supervisor to restart it.
+(``on_engine_failure: "unload"`` instead unloads just this model, for explicit model control.)
 
 The stub embeds the system libpython and ignores ``PYTHONPATH``: ``sys.path`` is extended from
 ``$GLM5_PYTHON_PATH`` (set by ``glm5 serve``) at import time and from the ``python_path`` config
@@ -48,6 +60,7 @@ import asyncio  # noqa: E402
 import concurrent.futures  # noqa: E402
 import logging  # noqa: E402
 import queue  # noqa: E402
+import signal  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
@@ -62,7 +75,7 @@ logger = logging.getLogger("glm5.backend")
 # Config parameters consumed by this backend; every other non-empty parameter goes to EngineArgs.
 BACKEND_PARAMETERS = frozenset({"python_path", "report_metrics", "metrics_interval_ms",
                                 "cancellation_check_period_ms", "engine_module", "EXECUTION_ENV_PATH",
-                                "log_level"})
+                                "log_level", "on_engine_failure"})
 
 _OPT = {"optional": True}
 INPUTS: list[dict[str, Any]] = [
@@ -82,6 +95,7 @@ INPUTS: list[dict[str, Any]] = [
     {"name": "stop", "data_type": "TYPE_BOOL", "dims": [1], **_OPT},
     # vllm_backend reserves it for the OpenAI frontend's embedding requests; answered with a clear error
     {"name": "embedding_request", "data_type": "TYPE_STRING", "dims": [1], **_OPT},
+    {"name": "stop_key", "data_type": "TYPE_STRING", "dims": [1], **_OPT},
     # Preprocessed tensors from the `preprocess` model (ensemble path); empty = absent.
     {"name": "input_ids", "data_type": "TYPE_INT64", "dims": [-1], **_OPT},
     {"name": "pixel_values", "data_type": "TYPE_FP32", "dims": [-1, -1], **_OPT},
@@ -95,6 +109,7 @@ OUTPUTS: list[dict[str, Any]] = [
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
     {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
+    # prompt tokens reused from the prefix cache (vLLM's num_cached_tokens; OpenAI usage.cached_tokens)
     {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
     {"name": "prompt_logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "num_cached_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
@@ -153,6 +168,12 @@ class _Metrics:
         self.finished = fam("glm5:request_finished_total", "Requests finished by the engine",
                             MF.COUNTER).Metric(labels)
         self.preempted = fam("glm5:request_preempted_total", "Preemptions", MF.COUNTER).Metric(labels)
+        self.prefix_queries = fam("glm5:prefix_cache_queries_total",
+                                  "Prompt tokens looked up in the prefix cache (vLLM prefix_cache_queries)",
+                                  MF.COUNTER).Metric(labels)
+        self.prefix_hits = fam("glm5:prefix_cache_hits_total",
+                               "Prompt tokens found in the prefix cache (vLLM prefix_cache_hits)",
+                               MF.COUNTER).Metric(labels)
         self.errors = fam("glm5:request_error_total", "Requests answered with an error", MF.COUNTER).Metric(labels)
         self.running = fam("glm5:num_requests_running", "Requests in the running batch", MF.GAUGE).Metric(labels)
         self.waiting = fam("glm5:num_requests_waiting", "Requests waiting to be scheduled", MF.GAUGE).Metric(labels)
@@ -212,6 +233,8 @@ class _Metrics:
         self._counter_from_total(self.finished, "finished", float(st.finished_total))
         self._counter_from_total(self.preempted, "preempted", float(st.preempted_total))
         self.vllm.update_stats(st)
+        self._counter_from_total(self.prefix_queries, "prefix_queries", float(getattr(st, "prefix_cache_queries", 0)))
+        self._counter_from_total(self.prefix_hits, "prefix_hits", float(getattr(st, "prefix_cache_hits", 0)))
         spec = getattr(st, "speculative", None)
         if spec:
             self._counter_from_total(self.spec_drafts, "spec_drafts", float(sum(spec["proposed"])))
@@ -339,6 +362,12 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(
                 "config.pbtxt of the glm5 model needs parameters { key: \"model\" value: { string_value: "
                 "\"/path/to/checkpoint\" } } (glm5 serve --model DIR fills it in)")
+        self._model_name = args.get("model_name", "glm5")
+        self._on_failure = (params.get("on_engine_failure") or "exit").strip().lower()
+        if self._on_failure not in ("exit", "unload"):
+            raise pb_utils.TritonModelException(
+                f"on_engine_failure={self._on_failure!r}: use exit (stop tritonserver, default) or unload "
+                "(unload this model; needs --model-control-mode=explicit)")
         self.engine_args = EngineArgs.from_dict(engine_params)
         logger.info("glm5: starting engine with %s", self.engine_args)
         self.engine = AsyncLLMEngine(self.engine_args)
@@ -347,8 +376,12 @@ class TritonPythonModel:
         self._states: dict[str, _RequestState] = {}
         self._states_lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._stops = rq.StopRegistry()
+        self._live = rq.LiveRequests()
         self._shutdown = threading.Event()
+        self._dead: BaseException | None = None
+        self._server_pid: int | None = None    # the tritonserver this stub was asked to stop
+        if hasattr(self.engine, "on_dead"):
+            self.engine.on_dead(self._on_engine_dead)
 
         self._loop = asyncio.new_event_loop()
         # RequestStream's ``async for`` waits in an executor thread per in-flight request; the
@@ -375,7 +408,12 @@ class TritonPythonModel:
                                      int(getattr(self.engine_args, "max_model_len", 4096)))
 
     def _load_error_types(self) -> None:
-        """Exception types that mean "bad request" (INVALID_ARG) rather than a server fault."""
+        """Exception types that mean "bad request" (INVALID_ARG) rather than a server fault, and the
+        engine's failure types (UNAVAILABLE for a dead engine, INTERNAL for one failed request)."""
+        from glm5.engine.errors import EngineDeadError, RequestFailedError
+
+        self._dead_types: tuple[type, ...] = (EngineDeadError,)
+        self._failed_types: tuple[type, ...] = (RequestFailedError,)
         types: list[type] = [self._rq.RequestError, ValueError]
         try:
             from glm5.sampling_params import SamplingParamsError
@@ -395,9 +433,59 @@ class TritonPythonModel:
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
 
+    # ------------------------------------------------------------------ engine death
+    def _on_engine_dead(self, error: BaseException) -> None:
+        """Called from the engine thread when the engine died of an unrecoverable error."""
+        self._dead = error
+        logger.critical("glm5: the engine died (%s); answering UNAVAILABLE and taking the model down (%s)",
+                        error, self._on_failure)
+        if self._on_failure == "unload":
+            try:
+                pb_utils.unload_model(self._model_name)
+            except Exception:  # noqa: BLE001
+                logger.exception("could not unload %s (needs --model-control-mode=explicit); it stays loaded "
+                                 "and answers UNAVAILABLE", self._model_name)
+            return
+        ppid = os.getppid()
+        try:
+            with open(f"/proc/{ppid}/comm", encoding="utf-8") as f:
+                parent = f.read().strip()
+        except OSError:
+            parent = "?"
+        if parent != "tritonserver":
+            logger.error("the stub's parent (pid %d, %r) is not tritonserver: not signalling it; the model "
+                         "answers UNAVAILABLE until the server is restarted", ppid, parent)
+            return
+        self._server_pid = ppid
+        threading.Thread(target=self._stop_server, name="glm5-stop-server", daemon=True).start()
+
+    def _stop_server(self, grace_s: float = 10.0) -> None:
+        """SIGTERM tritonserver once the in-flight requests have their error responses (tritonserver
+        closes its endpoints at once on SIGTERM, which would cut those responses off)."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            with self._states_lock:
+                busy = bool(self._states)
+            if not busy and self._responses.empty():
+                break
+            time.sleep(0.05)
+        time.sleep(0.2)  # the response thread's last send
+        logger.critical("glm5: stopping tritonserver (pid %d) after the engine died", self._server_pid)
+        os.kill(self._server_pid, signal.SIGTERM)
+
+    def _wait_for_server_exit(self, limit_s: float = 600.0) -> None:
+        """Hold ``finalize`` until the server we asked to stop is gone (see the module docstring): a clean
+        unload would let tritonserver exit 0 although it stopped because the engine died."""
+        deadline = time.monotonic() + limit_s
+        while os.getppid() == self._server_pid and time.monotonic() < deadline:
+            time.sleep(0.2)
+
     def finalize(self) -> None:
         """Abort everything, stop the engine, then every thread (in dependency order)."""
         self._shutdown.set()
+        if self._dead is not None and self._server_pid is not None:
+            logger.error("glm5: finalize after the engine died: not reporting a clean unload")
+            self._wait_for_server_exit()
         with self._states_lock:
             ids = sorted({eid for s in self._states.values() for eid in s.engine_ids})
         for eid in ids:
@@ -431,6 +519,10 @@ class TritonPythonModel:
         for request in requests:
             state = _RequestState(request=request, sender=request.get_response_sender(),
                                   client_id=request.request_id() or "")
+            if self._dead is not None:
+                self._queue_error(state, f"the glm5 engine is dead ({self._dead}); the server is going down",
+                                  pb_utils.TritonError.UNAVAILABLE)
+                continue
             if self._shutdown.is_set():
                 self._queue_error(state, "the glm5 model is shutting down", pb_utils.TritonError.UNAVAILABLE)
                 continue
@@ -441,20 +533,32 @@ class TritonPythonModel:
         """Run one request from parsing to its final response; never raises."""
         try:
             await self._generate(state)
-        except self._bad_request_types as exc:
-            self._queue_error(state, str(exc), pb_utils.TritonError.INVALID_ARG)
         except Exception as exc:  # noqa: BLE001 (the model keeps serving; the client gets the reason)
-            logger.exception("request %s failed", state.client_id or state.engine_id)
-            self._queue_error(state, f"internal error: {type(exc).__name__}: {exc}",
-                              pb_utils.TritonError.INTERNAL)
+            self._answer_error(state, exc)
+            # An exception raised on an executor thread is also held by that hop's futures, which can
+            # outlive this handler until a garbage collection; its traceback's frames hold the
+            # request's inputs (a rejected 10 MB prompt): drop them now, not at the next collection.
+            exc.__traceback__ = None
         finally:
-            with self._states_lock:
-                for eid in state.engine_ids:
-                    self._states.pop(eid, None)
-                    self._stops.remove(state.client_id, eid)
+            if state.engine_id:
+                self._forget(state)
 
-    def _parse(self, request: Any) -> tuple[Any, Any, Any]:
-        """Tensors → (PromptInput, SamplingParams, OutputFlags); raises on bad input."""
+    def _answer_error(self, state: _RequestState, exc: Exception) -> None:
+        TE = pb_utils.TritonError
+        if isinstance(exc, self._rq.DuplicateRequestIdError):
+            self._queue_error(state, str(exc), TE.ALREADY_EXISTS)
+        elif isinstance(exc, self._dead_types):
+            self._queue_error(state, str(exc), TE.UNAVAILABLE)
+        elif isinstance(exc, self._failed_types):
+            self._queue_error(state, str(exc), TE.INTERNAL)
+        elif isinstance(exc, self._bad_request_types):
+            self._queue_error(state, str(exc), TE.INVALID_ARG)
+        else:
+            logger.exception("request %s failed", state.client_id or state.engine_id, exc_info=exc)
+            self._queue_error(state, f"internal error: {type(exc).__name__}: {exc}", TE.INTERNAL)
+
+    def _parse(self, request: Any) -> tuple[Any, Any, Any, str | None]:
+        """Tensors → (PromptInput, SamplingParams, OutputFlags, stop_key); raises on bad input."""
         from glm5.sampling_params import SamplingParams
 
         PromptInput = self._engine_mod.PromptInput
@@ -512,38 +616,55 @@ class TritonPythonModel:
             prompt = PromptInput(messages=messages, images=images, videos=videos)
         else:
             prompt = PromptInput(text=text, images=images, videos=videos)
-        return prompt, params, flags
+        return prompt, params, flags, rq.check_stop_key(_str(request, "stop_key"))
 
     def _handle_stop(self, state: _RequestState) -> None:
-        """``stop=true``: abort every running request whose request id equals this one's."""
+        """``stop=true``: abort the running request with this request id if ``stop_key`` matches its key.
+
+        Answers ``num_output_tokens`` = requests stopped (0 or 1); an unknown id, a request sent
+        without a key and a wrong key all answer 0, so a stop cannot probe which ids exist."""
+        rq = self._rq
         if not state.client_id:
-            raise self._rq.RequestError("a stop request needs the request id of the request to stop "
-                                        "(set request_id on the stop request)")
+            raise rq.RequestError("a stop request needs the request id of the request to stop "
+                                  "(set request_id on the stop request)")
+        key = rq.check_stop_key(_str(state.request, "stop_key"))
+        if key is None:
+            raise rq.RequestError("a stop request needs the stop_key its target request was sent with "
+                                  "(only the sender of a request may stop it)")
         with self._states_lock:
-            targets = self._stops.lookup(state.client_id)
-        for eid in targets:
-            self.engine.abort(eid)
+            target = self._live.authorize_stop(state.client_id, key)
+            owner = next((s for s in self._states.values() if s.engine_id == target), None) if target else None
+        for eid in owner.engine_ids if owner is not None else ():
+            self.engine.abort(eid)   # every sequence of the request (n / best_of)
         out = pb_utils.Tensor("text_output", np.array([b""], dtype=np.object_))
-        n = pb_utils.Tensor("num_output_tokens", np.array([len(targets)], dtype=np.uint32))
+        n = pb_utils.Tensor("num_output_tokens", np.array([0 if owner is None else 1], dtype=np.uint32))
         self._queue(state, pb_utils.InferenceResponse(output_tensors=[out, n]), _FINAL)
+
+    def _forget(self, state: _RequestState) -> None:
+        """Drop the request's book-keeping; its id may be reused from now on."""
+        with self._states_lock:
+            for eid in state.engine_ids:
+                self._states.pop(eid, None)
+            self._live.release(state.client_id, state.engine_id)
 
     async def _generate(self, state: _RequestState) -> None:
         request = state.request
         if _bool(request, "stop"):
             self._handle_stop(state)
             return
-        prompt, params, flags = self._parse(request)
+        loop = asyncio.get_running_loop()
+        # parsing copies and base64-decodes inputs: off the asyncio loop, which delivers other streams
+        prompt, params, flags, stop_key = await loop.run_in_executor(None, self._parse, request)
         n_seq = params.num_sequences
         state.engine_id = f"{state.client_id or 'req'}-{uuid.uuid4().hex[:12]}"
         state.engine_ids = [state.engine_id] if n_seq == 1 else [f"{state.engine_id}.{i}" for i in range(n_seq)]
         with self._states_lock:
+            self._live.register(state.client_id, state.engine_id, stop_key)
             for eid in state.engine_ids:
                 self._states[eid] = state
-                self._stops.add(state.client_id, eid)
         if self._metrics is not None:
             self._metrics.record_params(params.n, n_seq)
-        loop = asyncio.get_running_loop()
-        # add_request validates (and may decode media) synchronously: keep it off the loop thread.
+        # add_request prepares the prompt on the engine's worker pool and waits: keep it off the loop thread
         streams = []
         for i, eid in enumerate(state.engine_ids):
             child = params if n_seq == 1 else params.for_sequence(i)
@@ -661,6 +782,8 @@ class TritonPythonModel:
             return
         if flags & _FINAL:
             state.done = True
+            if state.engine_id:  # release the id before the client can see the final response and reuse it
+                self._forget(state)
         self._responses.put((state, response, flags))
 
     def _queue_error(self, state: _RequestState, message: str, code: Any) -> None:

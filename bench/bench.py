@@ -3,14 +3,18 @@
 Bench config: model-spec §1.1 shapes (hidden 4096, 64 MLA heads over a 512 latent, 64×128 KDA,
 indexer 32×128 top-2048 kpool 4, 288 experts top-8 of 2048, mHC 4, vocab 154880) with 8 layers:
 KDA,KDA,KDA,MLA,KDA,KDA,KDA,MLA and dense×3 + MoE×5, on random bf16 weights made on the GPU
-(``glm5.weights.dummy_weights``).
+(``glm5.weights.dummy_weights``), and the same weights block-quantized to fp8 (``--weight-dtypes``: every
+projection e4m3 with 128 x 128 scales, what ``quantization=fp8`` loads; decode and prefill rows carry
+``weight_dtype``). The weight-memory table of the full model per GPU at TP/EP 1/2/4/8 (computed from the real
+config, ``glm5.weights.memory``) goes into the results as ``memory``.
 
 Measured in the same run: device-to-device copy bandwidth and bf16 matmul peak (the ceilings);
 decode step time at batch × context (the caches are filled with random values for the context
 instead of being prefilled: a decode step's work depends on the cache sizes, not their contents);
 the roofline time per decode step (bytes the step must move — non-routed weights, the routed
 experts actually touched by this step's routing, KDA state read+write, selected latent rows,
-pooled index keys scanned — over the measured copy bandwidth); prefill throughput and achieved
+pooled index keys scanned — over the measured copy bandwidth; fp8 weights count one byte per weight plus
+their fp32 block scales); prefill throughput and achieved
 TFLOP/s; and transformers' glm5_next decode at batch 1 and at the largest batch it survives, on the same
 config (HF-initialised weights; its timing does not depend on weight values beyond routing), in a child
 process of the same run once the engine has released the GPU.
@@ -85,19 +89,28 @@ def ceilings() -> dict:
     return {"copy_bw_Bps": bw, "matmul_bf16_flops": 2 * 8192 ** 3 / t}
 
 
+def _base_name(name: str) -> str:
+    """The weight a tensor belongs to (an fp8 scale ``x_scale_inv`` belongs to ``x``)."""
+    return name[: -len("_scale_inv")] if name.endswith("_scale_inv") else name
+
+
 class Setup:
     """``par``: a :class:`glm5.distributed.ParallelContext` (``--distributed``: the model's collectives run)."""
 
-    def __init__(self, max_batch: int, max_ctx: int, par=None):
+    def __init__(self, max_batch: int, max_ctx: int, weight_dtype: str = "bfloat16", par=None):
         from glm5.cache.hybrid_cache import CacheConfig, HybridCache
         from glm5.config import ModelConfig
         from glm5.layers.glm5 import Glm5ForCausalLM
-        from glm5.weights import dummy_weights
+        from glm5.weights import dummy_weights, quantize_weights
 
         self.cfg = ModelConfig.from_dict(bench_config_dict())
+        self.weight_dtype = weight_dtype
         t = self.cfg.text
-        self.par = par
         self.weights = dummy_weights(self.cfg, "cuda", torch.bfloat16, include_mtp=False)
+        self.params = {n: w.numel() for n, w in self.weights.items()}
+        if weight_dtype == "float8_e4m3fn":
+            self.weights = quantize_weights(self.weights, inplace=True)
+        self.par = par
         self.model = Glm5ForCausalLM(self.cfg, self.weights, par)
         self.bs = 64
         self.blocks_per_req = (max_ctx + 2 * self.bs) // self.bs
@@ -111,12 +124,20 @@ class Setup:
             x.normal_(0, 0.02)
         for x in self.cache.conv.values():
             x.normal_()
-        self.routed = [n for n in self.weights if n.endswith(("experts.gate_proj", "experts.up_proj",
-                                                              "experts.down_proj"))]
+        # bytes a step moves per weight: fp8 stacks count their [E, ...] scales with them
+        self.routed = [n for n in self.weights if _base_name(n).endswith(("experts.gate_proj", "experts.up_proj",
+                                                                           "experts.down_proj"))]
         self.expert_bytes = sum(self.weights[n][0].numel() * self.weights[n].element_size() for n in self.routed
                                 if n.startswith("layers.3."))
         self.nonrouted_bytes = sum(w.numel() * w.element_size() for n, w in self.weights.items()
                                    if n not in self.routed and n != "embed_tokens.weight")
+        # parameters (dtype-independent) for the FLOP count
+        self.expert_params = sum(self.params[n] // t.n_routed_experts for n in self.params
+                                 if n.startswith("layers.3.") and n.endswith(("experts.gate_proj", "experts.up_proj",
+                                                                              "experts.down_proj")))
+        self.nonrouted_params = sum(v for n, v in self.params.items()
+                                    if not n.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj"))
+                                    and n != "embed_tokens.weight")
         self.touched: list[int] = []
         from glm5.layers import moe as moe_mod
         orig = moe_mod.route
@@ -153,8 +174,8 @@ class Setup:
 
     def prefill_flops(self, n: int) -> float:
         t = self.cfg.text
-        act = self.nonrouted_bytes / 2 - t.vocab_size * t.hidden_size  # params touched per token except lm head
-        act += 5 * t.num_experts_per_tok * self.expert_bytes / 2
+        act = self.nonrouted_params - t.vocab_size * t.hidden_size  # params touched per token except lm head
+        act += 5 * t.num_experts_per_tok * self.expert_params
         flops = 2 * act * n + 2 * t.vocab_size * t.hidden_size  # lm head on the last row only
         sel = t.index_topk + t.index_kpool - 1
         pairs = n * (n + 1) // 2 if n <= sel else sel * (sel + 1) // 2 + (n - sel) * sel
@@ -174,8 +195,7 @@ def decode_rows(s: "Setup", b: int, ctx: int):
 
 def run_decode(s: "Setup", batches, ctxs, reps: int, log, graphs: bool = True) -> list[dict]:
     """Decode steps through the engine's batched path: eager (one launch per kernel) and replayed as a
-    CUDA graph (what the engine runs), on the same staged inputs. With a distributed setup every step also
-    sends its rows on the control group first, as the distributed executor's driver does."""
+    CUDA graph (what the engine runs), on the same staged inputs."""
     from glm5.engine.cuda_graph import DecodeAttentionPlanner, DecodeGraphRunner, DecodeStager
     stager = DecodeStager(s.cache, max(batches), s.blocks_per_req, torch.device("cuda"))
     planner = DecodeAttentionPlanner(s.cfg.text, max(batches), torch.bfloat16, torch.device("cuda"))
@@ -205,8 +225,8 @@ def run_decode(s: "Setup", batches, ctxs, reps: int, log, graphs: bool = True) -
                 touched = list(s.touched)
                 s.recording = False
                 eager = timed(lambda: s.model.forward(staged(rows, b), s.cache), reps, warmup=1)
-                row = {"batch": b, "ctx": ctx, "eager_step_s": median(eager), "experts_touched": touched,
-                       "bytes": s.decode_bytes(b, ctx, touched)}
+                row = {"batch": b, "ctx": ctx, "weight_dtype": s.weight_dtype, "eager_step_s": median(eager),
+                       "experts_touched": touched, "bytes": s.decode_bytes(b, ctx, touched)}
                 if runner is not None:
                     step = runner.run if s.par is None else (
                         lambda r: (s.par.broadcast_object([("decode", r)]), runner.run(r)))
@@ -217,8 +237,8 @@ def run_decode(s: "Setup", batches, ctxs, reps: int, log, graphs: bool = True) -
                 row["tok_s"] = b / row["step_s"]
                 s.recording = True
             except Exception as e:  # record and continue: an OOM at one size must not hide the rest
-                row = {"batch": b, "ctx": ctx, "error": f"{type(e).__name__}: {str(e)[:300]}",
-                       "trace": traceback.format_exc()[-1200:]}
+                row = {"batch": b, "ctx": ctx, "weight_dtype": s.weight_dtype,
+                       "error": f"{type(e).__name__}: {str(e)[:300]}", "trace": traceback.format_exc()[-1200:]}
                 s.recording = True
                 torch.cuda.empty_cache()
             log(row)
@@ -255,8 +275,14 @@ def profile_decode(s: "Setup", b: int, ctx: int, out: Path) -> dict:
 
     def staged():
         return stager.stage(rows, b, planner)
-    return {"batch": b, "ctx": ctx, **kernel_profile(s, lambda: s.model.forward(staged(), s.cache),
-                                                     out / f"profile_decode_b{b}_ctx{ctx}.txt")}
+    return {"batch": b, "ctx": ctx, "weight_dtype": s.weight_dtype,
+            **kernel_profile(s, lambda: s.model.forward(staged(), s.cache),
+                             out / f"profile_decode_b{b}_ctx{ctx}{_tag(s)}.txt")}
+
+
+def _tag(s: "Setup") -> str:
+    """File-name tag of the weight dtype (none for bf16, so the bf16 file names stay what they were)."""
+    return "" if s.weight_dtype == "bfloat16" else "_fp8"
 
 
 def kernel_profile(s: "Setup", fn, path: Path, rows: int = 30) -> dict:
@@ -299,9 +325,10 @@ def run_prefill(s: Setup, lengths, chunk: int, log) -> list[dict]:
             times = timed(lambda: prefill_once(s, n, chunk), 3 if n <= 8192 else 1, warmup=2)
             t = median(times)
             fl = s.prefill_flops(n)
-            row = {"tokens": n, "chunk": chunk, "time_s": t, "tok_s": n / t, "flops": fl, "tflops": fl / t / 1e12}
+            row = {"tokens": n, "chunk": chunk, "weight_dtype": s.weight_dtype, "time_s": t, "tok_s": n / t,
+                   "flops": fl, "tflops": fl / t / 1e12}
         except Exception as e:
-            row = {"tokens": n, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            row = {"tokens": n, "weight_dtype": s.weight_dtype, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             torch.cuda.empty_cache()
         log(row)
         rows.append(row)
@@ -311,8 +338,8 @@ def run_prefill(s: Setup, lengths, chunk: int, log) -> list[dict]:
 def profile_prefill(s: Setup, n: int, chunk: int, out: Path) -> dict:
     """Kernel table of one whole ``n``-token prefill (after a warm-up), grouped by kernel and by the torch op
     that launched it: the profile evidence of what limits prefill."""
-    return {"tokens": n, "chunk": chunk, **kernel_profile(s, lambda: prefill_once(s, n, chunk),
-                                                          out / f"profile_prefill_{n}.txt", rows=40)}
+    return {"tokens": n, "chunk": chunk, "weight_dtype": s.weight_dtype,
+            **kernel_profile(s, lambda: prefill_once(s, n, chunk), out / f"profile_prefill_{n}{_tag(s)}.txt", rows=40)}
 
 
 def run_hf(ctx: int, steps: int, log, batches=(1,), deadline: float | None = None) -> dict:
@@ -408,25 +435,27 @@ def nccl_world_of_one():
     return build_context(ParallelConfig(), 0, backend, control)
 
 
-def run_distributed(args, res: dict, batches, ctxs, log) -> dict:
+def run_distributed(res: dict, batches, ctxs, weight_dtype: str, log) -> dict:
     """The bench config again through the distributed path at world size 1 (NCCL), after the plain run of the
-    same process: the same decode rows and prefills, and each against the plain run's number."""
+    same process: the same decode rows and an 8K prefill, each against the plain run's number."""
+    from glm5.distributed.parallel_state import destroy_parallel_context
     par = nccl_world_of_one()
-    out: dict = {"world_size": 1, "backend": par.backend}
+    out: dict = {"world_size": 1, "backend": par.backend, "weight_dtype": weight_dtype}
     try:
-        s = Setup(max(batches), max(ctxs), par=par)
+        s = Setup(max(batches), max(ctxs), weight_dtype, par=par)
         out["prefill"] = run_prefill(s, [8192], 4096, log)
         out["decode"] = run_decode(s, batches, ctxs, reps=3, log=log)
         s.close()
     finally:
-        from glm5.distributed.parallel_state import destroy_parallel_context
         destroy_parallel_context(par)
-    plain = {(r["batch"], r["ctx"]): r for r in res.get("decode", []) if "step_s" in r}
+    plain = {(r["batch"], r["ctx"]): r for r in res.get("decode", [])
+             if "step_s" in r and r.get("weight_dtype") == weight_dtype}
     for r in out["decode"]:
         p = plain.get((r.get("batch"), r.get("ctx")))
         if p is not None and "step_s" in r:
             r["vs_plain"] = r["step_s"] / p["step_s"]
-    pre = {r["tokens"]: r for r in res.get("prefill", []) if "time_s" in r}
+    pre = {r["tokens"]: r for r in res.get("prefill", []) if "time_s" in r and r.get("weight_dtype", weight_dtype) ==
+           weight_dtype}
     for r in out["prefill"]:
         if r.get("tokens") in pre and "time_s" in r:
             r["vs_plain"] = r["time_s"] / pre[r["tokens"]]["time_s"]
@@ -451,6 +480,8 @@ def main() -> int:
     ap.add_argument("--distributed", action="store_true",
                     help="then the same decode rows and an 8K prefill through the distributed path at world size 1 "
                          "(NCCL collectives + the executor's per-step message), each against the plain number")
+    ap.add_argument("--weight-dtypes", default="bfloat16,float8_e4m3fn",
+                    help="comma-separated weight storage to measure, in order (bfloat16, float8_e4m3fn)")
     args = ap.parse_args()
     if args.hf_worker:
         rows_log = args.hf_worker.with_suffix(".jsonl").open("w")
@@ -478,7 +509,12 @@ def main() -> int:
            "backends": {name: fn(torch.device("cuda")) for name, fn in (
                ("kda", lambda d: backends.kda_backend(d, torch.bfloat16)), ("prefill_attn", backends.attn_backend),
                ("decode_attn", lambda d: backends.decode_attn_backend(d, torch.bfloat16, 512)),
-               ("index", backends.index_backend), ("moe", backends.moe_backend))}}
+               ("index", backends.index_backend), ("moe", backends.moe_backend),
+               ("fp8_linear", backends.fp8_linear_backend))}}
+    from glm5.config import ModelConfig
+    from glm5.weights.memory import memory_table
+    res["memory"] = memory_table(ModelConfig.from_dict(json.loads(
+        (ROOT / "tests" / "fixtures" / "glm5_3_flash_config.json").read_text())))
     res["ceilings"] = ceilings()
     log(res)
     batches = [1, 8] if args.quick else [1, 8, 64, 256]
@@ -497,37 +533,43 @@ def main() -> int:
     if args.decode_attn:
         backends.set_backends(decode_attn=args.decode_attn)
         res["backends"]["decode_attn"] = backends.decode_attn_backend(torch.device("cuda"), torch.bfloat16, 512)
-    s = Setup(max(batches), max(ctxs))
-    res["weights_bytes"] = {"nonrouted": s.nonrouted_bytes, "per_expert": s.expert_bytes}
-    log(res["weights_bytes"])
-    res["prefill"] = run_prefill(s, [1024, 8192] if args.quick else [1024, 8192, 32768], 4096, log)
-    if args.profile_prefill:
-        try:
-            res["profile_prefill"] = profile_prefill(s, 8192, 4096, args.out)
-        except Exception as e:
-            res["profile_prefill"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        log({k: v for k, v in res["profile_prefill"].items() if k != "table"})
-    (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
-    res["decode"] = run_decode(s, batches, ctxs, reps=3, log=log)
-    (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
-    res["profiles"] = []
-    for b in (1, 64):
-        if b in batches:
+    dtypes = [d.strip() for d in args.weight_dtypes.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in ("bfloat16", "float8_e4m3fn")]
+    if bad:
+        raise SystemExit(f"--weight-dtypes: unknown {bad}; use bfloat16 and/or float8_e4m3fn")
+    res.update(prefill=[], decode=[], profiles=[], weights_bytes={})
+    for wdt in dtypes:
+        s = Setup(max(batches), max(ctxs), wdt)
+        res["weights_bytes"][wdt] = {"nonrouted": s.nonrouted_bytes, "per_expert": s.expert_bytes}
+        log({"weight_dtype": wdt, **res["weights_bytes"][wdt]})
+        res["prefill"] += run_prefill(s, [1024, 8192] if args.quick else [1024, 8192, 32768], 4096, log)
+        if args.profile_prefill:
             try:
-                res["profiles"].append(profile_decode(s, b, 1024, args.out))
+                prof = profile_prefill(s, 8192, 4096, args.out)
             except Exception as e:
-                res["profiles"].append({"batch": b, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-            log({k: v for k, v in res["profiles"][-1].items() if k != "table"})
-    if args.flashinfer:
-        res["decode_flashinfer"] = run_decode_flashinfer(s, [b for b in (1, 64) if b in batches], [8192], log)
-    (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
-    s.close()
-    del s
-    gc.collect()
-    torch.cuda.empty_cache()
+                prof = {"weight_dtype": wdt, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            res["profile_prefill" if wdt == "bfloat16" else "profile_prefill_fp8"] = prof
+            log({k: v for k, v in prof.items() if k != "table"})
+        (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
+        res["decode"] += run_decode(s, batches, ctxs, reps=3, log=log)
+        (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
+        for b in (1, 64):
+            if b in batches:
+                try:
+                    res["profiles"].append(profile_decode(s, b, 1024, args.out))
+                except Exception as e:
+                    res["profiles"].append({"batch": b, "weight_dtype": wdt, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                log({k: v for k, v in res["profiles"][-1].items() if k != "table"})
+        if args.flashinfer and wdt == "bfloat16":
+            res["decode_flashinfer"] = run_decode_flashinfer(s, [b for b in (1, 64) if b in batches], [8192], log)
+        (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
+        s.close()
+        del s
+        gc.collect()
+        torch.cuda.empty_cache()
     if args.distributed:
         try:
-            res["distributed"] = run_distributed(args, res, batches, ctxs, log)
+            res["distributed"] = run_distributed(res, batches, ctxs, dtypes[0], log)
         except Exception as e:
             res["distributed"] = {"error": f"{type(e).__name__}: {str(e)[:500]}", "trace": traceback.format_exc()[-1500:]}
             log(res["distributed"])

@@ -58,6 +58,14 @@ def _table(head: list[str], align: str, rows: list[dict], cells, lead) -> list[s
     return out
 
 
+_WEIGHT_NAMES = {"bfloat16": "bf16", "float8_e4m3fn": "fp8"}
+
+
+def _has_weight_dtype(rows: list[dict]) -> bool:
+    """Runs that measured several weight storages carry ``weight_dtype`` per row (older runs: bf16 only)."""
+    return any("weight_dtype" in r for r in rows)
+
+
 def _decode_cells(r: dict) -> list[str]:
     touched = sum(r["experts_touched"]) / max(len(r["experts_touched"]), 1)
     return [str(r["batch"]), str(r["ctx"]), f"{r['step_ms']:.2f}", f"{r['eager_step_s'] * 1e3:.1f}",
@@ -66,17 +74,55 @@ def _decode_cells(r: dict) -> list[str]:
 
 
 def decode_table(rows: list[dict]) -> list[str]:
-    return _table(["batch", "ctx", "step ms (graph)", "step ms (eager)", "tok/s", "experts / MoE layer", "GB/step",
-                   "roofline ms", "% of roofline"], "|---:|---:|---:|---:|---:|---:|---:|---:|---:|", rows,
-                  _decode_cells, lambda r: [str(r.get("batch")), str(r.get("ctx"))])
+    head = ["batch", "ctx", "step ms (graph)", "step ms (eager)", "tok/s", "experts / MoE layer", "GB/step",
+            "roofline ms", "% of roofline"]
+    if not _has_weight_dtype(rows):
+        return _table(head, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|", rows, _decode_cells,
+                      lambda r: [str(r.get("batch")), str(r.get("ctx"))])
+
+    def dt(r: dict) -> str:
+        return _WEIGHT_NAMES.get(r.get("weight_dtype", "bfloat16"), str(r.get("weight_dtype")))
+    return _table(["weights", *head], "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", rows,
+                  lambda r: [dt(r), *_decode_cells(r)], lambda r: [dt(r), str(r.get("batch")), str(r.get("ctx"))])
+
+
+def fp8_decode_table(rows: list[dict]) -> list[str]:
+    """fp8 against bf16 weights per (batch, ctx) of the same run: tok/s ratio and each one's roofline fraction."""
+    by = {(r.get("weight_dtype", "bfloat16"), r["batch"], r["ctx"]): r for r in rows if "error" not in r}
+    out = ["| batch | ctx | bf16 tok/s | fp8 tok/s | fp8 / bf16 | bf16 % of roofline | fp8 % of roofline | "
+           "fp8 GB/step |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for (w, b, c), f in sorted(by.items(), key=lambda kv: (kv[0][2], kv[0][1])):
+        if w != "float8_e4m3fn" or ("bfloat16", b, c) not in by:
+            continue
+        h = by[("bfloat16", b, c)]
+        out.append(f"| {b} | {c} | {h['tok_s']:.0f} | {f['tok_s']:.0f} | {f['tok_s'] / h['tok_s']:.2f}× | "
+                   f"{100 * h['roofline_fraction']:.1f}% | {100 * f['roofline_fraction']:.1f}% | "
+                   f"{f['bytes']['total'] / 1e9:.2f} |")
+    return out
+
+
+def memory_table_md(mem: dict) -> list[str]:
+    """Weights per GPU of the full model at TP = EP = 1, 2, 4, 8 (``glm5.weights.memory``)."""
+    sizes = sorted({r["tp_ep"] for r in mem["rows"]})
+    out = ["| weights | " + " | ".join(f"TP=EP={n}" for n in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+    for v in dict.fromkeys(r["weights"] for r in mem["rows"]):
+        out.append(f"| {v} | " + " | ".join(f"{r['GB_per_gpu']:.1f} GB" for r in mem["rows"] if r["weights"] == v)
+                   + " |")
+    return out
 
 
 def prefill_table(res: dict) -> list[str]:
-    return _table(["tokens", "chunk", "time s", "tok/s", "model TFLOP", "TFLOP/s", "% of matmul peak"],
-                  "|---:|---:|---:|---:|---:|---:|---:|", res["prefill"],
-                  lambda r: [str(r["tokens"]), str(r["chunk"]), f"{r['time_s']:.3f}", f"{r['tok_s']:.0f}",
-                             f"{r['flops'] / 1e12:.1f}", f"{r['tflops']:.1f}", f"{100 * r['peak_fraction']:.1f}%"],
-                  lambda r: [str(r["tokens"])])
+    def cells(r: dict) -> list[str]:
+        return [str(r["tokens"]), str(r["chunk"]), f"{r['time_s']:.3f}", f"{r['tok_s']:.0f}",
+                f"{r['flops'] / 1e12:.1f}", f"{r['tflops']:.1f}", f"{100 * r['peak_fraction']:.1f}%"]
+    head = ["tokens", "chunk", "time s", "tok/s", "model TFLOP", "TFLOP/s", "% of matmul peak"]
+    if not _has_weight_dtype(res["prefill"]):
+        return _table(head, "|---:|---:|---:|---:|---:|---:|---:|", res["prefill"], cells, lambda r: [str(r["tokens"])])
+
+    def dt(r: dict) -> str:
+        return _WEIGHT_NAMES.get(r.get("weight_dtype", "bfloat16"), str(r.get("weight_dtype")))
+    return _table(["weights", *head], "|---|---:|---:|---:|---:|---:|---:|---:|", res["prefill"],
+                  lambda r: [dt(r), *cells(r)], lambda r: [dt(r), str(r["tokens"])])
 
 
 def backend_table(rows: list[dict]) -> list[str]:
@@ -125,6 +171,13 @@ def render(res: dict, path: Path, notes: Path | None = None) -> None:
         "## Prefill (one request, chunked by 4096 tokens)", "",
         *prefill_table(res), "",
     ]
+    if any(r.get("weight_dtype") == "float8_e4m3fn" for r in res["decode"]):
+        lines += ["## fp8 vs bf16 weights (same run)", "",
+                  "fp8 = every projection e4m3 with 128x128 block scales (docs/fp8.md); its roofline counts one byte "
+                  "per weight plus the fp32 scales.", "", *fp8_decode_table(res["decode"]), ""]
+    if res.get("memory"):
+        lines += ["## Weight memory of the full model per GPU (computed from the config)", "",
+                  *memory_table_md(res["memory"]), "", res["memory"].get("note", ""), ""]
     if res.get("decode_flashinfer"):
         src = res.get("decode_flashinfer_run", "this run")
         lines += ["## Decode attention backends end to end (CUDA graphs)", "",
@@ -135,7 +188,8 @@ def render(res: dict, path: Path, notes: Path | None = None) -> None:
                   *mla_kernel_table(res["mla_kernels"]), ""]
     hf = res.get("hf")
     if hf and "step_s" in hf:
-        engine = {r["batch"]: r for r in res["decode"] if r.get("ctx") == hf["ctx"] and "error" not in r}
+        engine = {r["batch"]: r for r in res["decode"] if r.get("ctx") == hf["ctx"] and "error" not in r
+                  and r.get("weight_dtype", "bfloat16") == "bfloat16"}
         lines += [f"## transformers' glm5_next, same config, context {hf['ctx']}", "",
                   f"{res.get('hf_run', 'this run')}: transformers decode step **{hf['step_s'] * 1e3:.1f} ms** at "
                   f"batch 1 ({hf['tok_s']:.1f} tok/s); its 1K prefill took {hf['prefill_s']:.0f} s (first-call kernel "
@@ -185,11 +239,14 @@ def plot_decode(res: dict, path: Path) -> str | None:
         return f"no plot: matplotlib unavailable ({e})"
     fig, ax = plt.subplots(figsize=(7, 4))
     bw = res["ceilings"]["copy_bw_Bps"]
-    for ctx in sorted({r["ctx"] for r in res["decode"]}):
-        rs = [r for r in res["decode"] if r["ctx"] == ctx and "error" not in r]
-        ax.plot([r["batch"] for r in rs], [r["tok_s"] for r in rs], "o-", label=f"engine ctx {ctx}")
+    series = sorted({(r.get("weight_dtype", "bfloat16"), r["ctx"]) for r in res["decode"]})
+    for wdt, ctx in series:
+        rs = [r for r in res["decode"] if r["ctx"] == ctx and "error" not in r
+              and r.get("weight_dtype", "bfloat16") == wdt]
+        tag = "" if len({w for w, _ in series}) == 1 else f" {_WEIGHT_NAMES.get(wdt, wdt)}"
+        ax.plot([r["batch"] for r in rs], [r["tok_s"] for r in rs], "o-", label=f"engine{tag} ctx {ctx}")
         ax.plot([r["batch"] for r in rs], [r["batch"] * bw / r["bytes"]["total"] for r in rs], "--",
-                label=f"roofline ctx {ctx}")
+                label=f"roofline{tag} ctx {ctx}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("batch")

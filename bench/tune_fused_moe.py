@@ -1,6 +1,10 @@
 """Tune the fused MoE launch configs on a GPU and write the per-token-count table.
 
-``python bench/tune_fused_moe.py [--budget-s 150] [--out kernels/glm5_kernels/configs]``
+``python bench/tune_fused_moe.py [--budget-s 150] [--out kernels/glm5_kernels/configs] [--fp8]``
+
+``--fp8`` tunes the fp8-weight path (experts e4m3 with 128 x 128 block scales, bf16 activations) and writes
+``fused_moe_E288_H4096_I2048_bf16_fp8w_{device}.json``; its tiles are at most 128 wide in N (one scale row
+per weight tile), so wider candidates are skipped.
 
 For each token count M (1 … 16384) at E=288, H=4096, I=2048, top-8, bf16 with uniform random
 routing, the two kernels are timed *separately* for every BLOCK_SIZE_M candidate (both share the
@@ -107,24 +111,27 @@ def copy_bandwidth() -> float:
 
 def tune_one_m(m: int, deadline: float, w: dict[str, torch.Tensor], top_k: int, limit: float, rep_ms: int,
                gen: torch.Generator) -> dict[str, Any]:
-    """Search until ``deadline`` (monotonic seconds) for M tokens; return the chosen config + numbers."""
+    """Search until ``deadline`` (monotonic seconds) for M tokens; return the chosen config + numbers.
+    ``w`` may carry ``scales`` (gate, up, down): the fp8-weight path."""
     wg, wu, wd = w["gate"], w["up"], w["down"]
+    sc = w.get("scales")
     e, inter, hidden = wg.shape
-    dtype = wg.dtype
+    dtype = torch.bfloat16 if sc is not None else wg.dtype
     x = torch.randn(m, hidden, device=wg.device, dtype=dtype, generator=gen)
     ids = torch.rand(m, e, device=wg.device, generator=gen).topk(top_k, dim=-1).indices
     weights = torch.rand(m, top_k, device=wg.device, generator=gen)
     h = torch.empty(m * top_k, inter, device=wg.device, dtype=dtype)
     y = torch.empty(m * top_k, hidden, device=wg.device, dtype=dtype)
     default = fm.default_config(m, top_k, e, dtype)
-    elem = wg.element_size()
+    elem = 2 if sc is not None else wg.element_size()  # smem estimate: A tiles in bf16 dominate either way
 
     # one job list, round-robin over (BLOCK_SIZE_M, kernel) by candidate rank so every BLOCK_SIZE_M gets
     # its best-prior tiles before anyone's long tail
     lanes = []
     for bm in block_m_candidates(m, top_k, e):
         for kernel in ("gate_up", "down"):
-            lanes.append([(bm, kernel, c) for c in tile_candidates(bm, kernel, default, elem)])
+            lanes.append([(bm, kernel, c) for c in tile_candidates(bm, kernel, default, elem)
+                          if sc is None or c["BLOCK_SIZE_N"] <= fm.FP8_BLOCK])
     jobs = [lane[i] for i in range(max(len(lane) for lane in lanes)) for lane in lanes if i < len(lane)]
 
     routings: dict[int, fm.AlignedRouting] = {}
@@ -140,9 +147,11 @@ def tune_one_m(m: int, deadline: float, w: dict[str, torch.Tensor], top_k: int, 
                 routings[bm] = fm.moe_align_block_size(ids, e, bm)
             r = routings[bm]
             if kernel == "gate_up":
-                us = bench_us(lambda: fm.moe_gate_up(x, wg, wu, r, top_k, limit, cfg, out=h), rep_ms)
+                us = bench_us(lambda: fm.moe_gate_up(x, wg, wu, r, top_k, limit, cfg, out=h,
+                                                     scales=None if sc is None else sc[:2]), rep_ms)
             else:
-                us = bench_us(lambda: fm.moe_down(h, wd, weights, r, cfg, out=y), rep_ms)
+                us = bench_us(lambda: fm.moe_down(h, wd, weights, r, cfg, out=y,
+                                                  scale=None if sc is None else sc[2]), rep_ms)
         except Exception as exc:  # compile failure, out of resources, OOM: skip this candidate
             failed += 1
             log.warning("M=%d %s %s failed: %s: %s", m, kernel, cfg, type(exc).__name__, str(exc).splitlines()[:1])
@@ -173,10 +182,10 @@ def tune_one_m(m: int, deadline: float, w: dict[str, torch.Tensor], top_k: int, 
         choice = default
 
     # end to end, vs the default, and a correctness check against the torch per-expert loop
-    full_us = bench_us(lambda: fm.fused_moe(x, wg, wu, wd, weights, ids, limit, config=choice), rep_ms)
-    default_us = bench_us(lambda: fm.fused_moe(x, wg, wu, wd, weights, ids, limit, config=default), rep_ms)
-    got = fm.fused_moe(x, wg, wu, wd, weights, ids, limit, config=choice).float()
-    ref = fused_moe_ref(x, wg, wu, wd, weights, ids, limit).float()
+    full_us = bench_us(lambda: fm.fused_moe(x, wg, wu, wd, weights, ids, limit, config=choice, scales=sc), rep_ms)
+    default_us = bench_us(lambda: fm.fused_moe(x, wg, wu, wd, weights, ids, limit, config=default, scales=sc), rep_ms)
+    got = fm.fused_moe(x, wg, wu, wd, weights, ids, limit, config=choice, scales=sc).float()
+    ref = fused_moe_ref(x, wg, wu, wd, weights, ids, limit, scales=sc).float()
     rel = ((got - ref).norm() / ref.norm()).item()
     if not rel < 2e-2:
         log.error("M=%d: tuned config %s disagrees with the reference (rel %.3g); keeping the default", m, choice, rel)
@@ -185,6 +194,8 @@ def tune_one_m(m: int, deadline: float, w: dict[str, torch.Tensor], top_k: int, 
         choice, full_us = default, default_us
     touched = int(torch.unique(ids).numel())
     flops, nbytes = fm.moe_forward_flops_bytes(m, touched, hidden, inter, top_k, elem)
+    if sc is not None:  # weights are one byte each plus their scales, activations stay bf16
+        nbytes -= touched * 3 * hidden * inter * (elem - 1) - touched * 3 * (hidden // 128) * (inter // 128) * 4
     return {"config": choice, "us": full_us, "default_us": default_us, "TFLOPs": flops / (full_us * 1e-6) / 1e12,
             "GBps": nbytes / (full_us * 1e-6) / 1e9, "experts_touched": touched, "rel_err_vs_torch": rel,
             "candidates_timed": tried, "candidates_failed": failed}
@@ -201,6 +212,7 @@ def main() -> None:
     ap.add_argument("--limit", type=float, default=10.0, help="swiglu_limit (does not affect speed)")
     ap.add_argument("--ms", type=str, default=",".join(map(str, DEFAULT_MS)))
     ap.add_argument("--rep-ms", type=int, default=20, help="do_bench repetition time per candidate")
+    ap.add_argument("--fp8", action="store_true", help="tune the fp8-weight path (e4m3 experts, block scales)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -217,6 +229,20 @@ def main() -> None:
     w = {"gate": torch.empty(e, inter, hidden, device=dev, dtype=dtype).normal_(0, 0.02, generator=gen),
          "up": torch.empty(e, inter, hidden, device=dev, dtype=dtype).normal_(0, 0.02, generator=gen),
          "down": torch.empty(e, hidden, inter, device=dev, dtype=dtype).normal_(0, 0.02, generator=gen)}
+    if args.fp8:
+        from glm5_kernels.fp8_ref import quantize_fp8_block
+        scales = []
+        for name in ("gate", "up", "down"):
+            t = w[name]
+            q = torch.empty(t.shape, dtype=fm.FP8_DTYPE, device=dev)
+            s = torch.empty(e, t.shape[1] // 128, t.shape[2] // 128, device=dev)
+            for lo in range(0, e, 16):
+                q[lo:lo + 16], s[lo:lo + 16] = quantize_fp8_block(t[lo:lo + 16])
+            w[name] = q
+            scales.append(s)
+            del t
+        w["scales"] = tuple(scales)
+        torch.cuda.empty_cache()
     bw = copy_bandwidth()
     log.info("device %s, copy bandwidth %.0f GB/s, setup took %.1f s", torch.cuda.get_device_name(),
              bw / 1e9, time.monotonic() - t0)
@@ -240,7 +266,7 @@ def main() -> None:
 
     out = args.out
     if out.suffix != ".json":
-        out = out / fm.config_file_name(e, hidden, inter, dtype, fm.device_name(dev))
+        out = out / fm.config_file_name(e, hidden, inter, dtype, fm.device_name(dev), fp8_weights=args.fp8)
     out.parent.mkdir(parents=True, exist_ok=True)
     table: dict[str, Any] = {str(m): r["config"] for m, r in results.items()}
     table["_meta"] = {"top_k": k, "device": torch.cuda.get_device_name(), "torch": torch.__version__,

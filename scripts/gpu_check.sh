@@ -2,13 +2,15 @@
 # The GPU check: the `gpu`-marked tests, the engine benchmark and the kernel micro-benchmarks on one
 # CUDA machine (built for the H200), from a checkout, with no network needed.
 #
-# Usage: scripts/gpu_check.sh [tests|bench|kernels|all] [OUTDIR]     (default: all, bench/out/gpu_check)
+# Usage: scripts/gpu_check.sh [tests|bench|kernels|fp8|all] [OUTDIR]     (default: all, bench/out/gpu_check)
 #   tests    pytest -m gpu over tests/ -> OUTDIR/gpu_tests.log and OUTDIR/gpu_tests.xml (JUnit);
 #            the per-layer bf16 diagnostic -> OUTDIR/bf16_layer_errors.json
 #   bench    bench/bench.py -> OUTDIR/bench/ (results.json, profile_*.txt, bench.log, stdout.log), rendered
 #            to OUTDIR/bench/RESULTS.md by bench/render_results.py (docs/benchmarks.md: how to record it)
 #   kernels  bench/kernel_bench.py and, when flashinfer imports, bench/flashinfer_bench.py -> OUTDIR/kernels/
-#   all      the three in that order; OUTDIR/device.txt always records the GPU, driver and versions
+#   fp8      bench/fp8_check.py --write-table (fp8 kernels vs references, GEMV/_scaled_mm/bf16 timings, the
+#            per-shape choice table) and bench/tune_fused_moe.py --fp8 -> OUTDIR/fp8/ and kernels/glm5_kernels/configs/
+#   all      the four in that order; OUTDIR/device.txt always records the GPU, driver and versions
 # Exit status: non-zero when a stage fails (the later stages still run).
 #
 # Setup it does first (each step only when needed):
@@ -22,12 +24,12 @@
 #   `python -m glm5.trained_tiny_checkpoint DIR`; default .gpuref/trained when present, else the bf16 test
 #   trains one on the GPU), PYTEST_ARGS (extra pytest arguments, e.g. -k or -x), BENCH_ARGS (default
 #   --profile-prefill; e.g. --quick --skip-hf), TESTS_TIMEOUT / BENCH_TIMEOUT / KERNELS_TIMEOUT in seconds
-#   (defaults 1200 / 900 / 300).
+#   (defaults 1200 / 900 / 300), FP8_TIMEOUT (default 600; fp8_check --budget-s 240 + the MoE tuner's 150 s).
 set -uo pipefail
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 
 STAGE=${1:-all}
-case "$STAGE" in tests|bench|kernels|all) ;; *) echo "unknown stage '$STAGE': use tests, bench, kernels or all" >&2; exit 2;; esac
+case "$STAGE" in tests|bench|kernels|fp8|all) ;; *) echo "unknown stage '$STAGE': use tests, bench, kernels, fp8 or all" >&2; exit 2;; esac
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT=$(mkdir -p "${2:-bench/out/gpu_check}" && cd "${2:-bench/out/gpu_check}" && pwd)
@@ -133,7 +135,18 @@ run_kernels() {
   return $rc
 }
 
-for s in tests bench kernels; do
+run_fp8() {
+  mkdir -p "$OUT/fp8"
+  timeout "${FP8_TIMEOUT:-600}" "$PY" bench/fp8_check.py --out "$OUT/fp8" --write-table > "$OUT/fp8/fp8_check.stdout" 2>&1
+  local rc=$?
+  sed -n '/^checks:/,$p' "$OUT/fp8/fp8_check.stdout" | cut -c1-200
+  timeout "${FP8_TIMEOUT:-600}" "$PY" bench/tune_fused_moe.py --fp8 --budget-s 150 > "$OUT/fp8/tune_fused_moe_fp8.log" 2>&1 || rc=1
+  tail -18 "$OUT/fp8/tune_fused_moe_fp8.log" | cut -c1-200
+  cp kernels/glm5_kernels/configs/fp8_linear_*.json kernels/glm5_kernels/configs/fused_moe_*fp8w*.json "$OUT/fp8/" 2>/dev/null
+  return $rc
+}
+
+for s in tests bench kernels fp8; do
   if [ "$STAGE" = all ] || [ "$STAGE" = "$s" ]; then
     echo "== $s" >&2
     "run_$s" || { echo "== $s FAILED (exit $?)" >&2; FAILED=1; }

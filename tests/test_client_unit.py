@@ -51,3 +51,35 @@ def test_chunk_from_sse_event_and_error_event():
     assert ch.logprobs == [{"token_id": 1, "logprob": -0.1}]
     with pytest.raises(Glm5ClientError, match="boom"):
         chunk_from_json({"error": "boom"}, final=False)
+
+
+def test_stop_key_travels_on_requests_and_stop_requests():
+    t = {name: arr for name, arr, _ in GenerateRequest(prompt="hi", stop_key="k" * 20).tensors()}
+    assert t["stop_key"].tolist() == [b"k" * 20]
+    assert "stop_key" not in {name for name, _, _ in GenerateRequest(prompt="hi").tensors()}
+    assert GenerateRequest(prompt="", stop=True, stop_key="k" * 20).http_body()["stop_key"] == "k" * 20
+
+
+def test_cli_stop_requires_the_key_and_generate_prints_one(capsys, monkeypatch):
+    from glm5_client import cli
+
+    with pytest.raises(SystemExit):
+        cli._stop_parser().parse_args(["job-1"])               # --stop-key is required
+    assert cli._stop_parser().parse_args(["job-1", "--stop-key", "s" * 16]).stop_key == "s" * 16
+    seen = {}
+
+    class FakeClient:
+        def __init__(self, *a, **k):
+            pass
+
+        def generate_stream(self, prompt, **kwargs):
+            seen.update(kwargs)
+            return iter([GenerationChunk("x", True, "length", 1, 1)])
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(cli, "Glm5Client", FakeClient)
+    assert cli.main(["--request-id", "job-1", "hello"]) == 0
+    key = seen["stop_key"]
+    assert len(key) == 32 and f"glm5-client stop job-1 --stop-key {key}" in capsys.readouterr().err

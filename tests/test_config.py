@@ -175,3 +175,38 @@ def test_agrees_with_hf_without_optional_lists(real_dict: dict[str, Any]) -> Non
         text.pop(key)
     text["linear_num_heads"] = 32
     _assert_agrees_with_hf(real_dict)
+
+
+@pytest.mark.parametrize("path,value", [
+    ("text_config.attention_bias", True),
+    ("text_config.hidden_act", "gelu"),
+    ("text_config.scoring_func", "softmax"),
+    ("text_config.topk_method", "greedy"),
+    ("text_config.moe_router_dtype", "bfloat16"),
+    ("text_config.mla_use_nope", False),
+    ("text_config.index_kpool_compress", False),
+    ("vision_config.attention_bias", False),
+    ("vision_config.hidden_act", "quick_gelu"),
+    ("vision_config.in_channels", 1),
+    ("vision_config.rope_parameters", {"rope_type": "axial", "rope_theta": 500000.0}),
+])
+def test_unimplemented_config_values_are_rejected_at_load(real_dict: dict[str, Any], path: str, value: Any) -> None:
+    """A key whose value selects math the engine does not implement must stop the load, naming the
+    key, the value and what is supported (these were silently ignored: attention_bias=true loaded
+    the bias tensors and never applied them)."""
+    bad = _mutate(real_dict, path, value)
+    with pytest.raises(ConfigError) as err:
+        ModelConfig.from_dict(bad)
+    msg = str(err.value)
+    key = path.split(".", 1)[1]
+    assert key in msg and repr(value) in msg and "not supported" in msg and "Fix:" in msg, msg
+
+
+def test_supported_values_of_those_keys_still_load(real_dict: dict[str, Any]) -> None:
+    text = real_dict["text_config"]
+    assert (text["attention_bias"], text["hidden_act"], text["scoring_func"], text["topk_method"]) == \
+        (False, "silu", "sigmoid", "noaux_tc")
+    text["hidden_act"] = "swish"                 # transformers' alias of SiLU
+    real_dict["vision_config"]["rope_parameters"] = {"rope_type": "axial", "rope_theta": 10000.0}
+    cfg = ModelConfig.from_dict(real_dict)
+    assert cfg.vision is not None and len(cfg.text.kda_layer_ids) == 34

@@ -44,14 +44,14 @@ def test_prefill_logits_match_transformers(tmp_path):
         ids = random_prompt(n, vocab, seed=n)
         with torch.no_grad():
             ref = hf(input_ids=torch.tensor([ids])).logits[0].float()
-        slot = eng.slots.allocate()
+        slot = eng.slots.allocate_one()
         eng.runner.cache.reset_slot(slot)
         blocks = eng.blocks.allocate(-(-n // eng.args.block_size))
         batch = ForwardBatch(input_ids=torch.tensor(ids), positions=torch.arange(n),
                              seqs=[SeqChunk(0, n, 0, torch.tensor(blocks), slot)], logits_indices=torch.arange(n))
         got = eng.runner.model.forward(batch, eng.runner.cache).logits
         eng.blocks.free(blocks)
-        eng.slots.free(slot)
+        eng.slots.free([slot])
         rel = ((got - ref).abs().max() / ref.abs().max()).item()
         assert rel <= 1e-4, f"prompt length {n}: max relative error {rel:.2e}"
 

@@ -191,8 +191,8 @@ def long_run(ckpt: Path, prompts: list[list[int]]) -> tuple[list[list[int]], lis
     # stays inside the pool-key tensor (an index error would not prove the test has teeth)
     low = list(range(LONG_NUM_BLOCKS // 2))
     random.Random(7).shuffle(low)
-    eng.blocks._free.clear()
-    eng.blocks._free.extend(low + list(range(LONG_NUM_BLOCKS // 2, LONG_NUM_BLOCKS)))
+    eng.blocks.allocate(LONG_NUM_BLOCKS)
+    eng.blocks.free(low + list(range(LONG_NUM_BLOCKS // 2, LONG_NUM_BLOCKS)))  # freed in this order = handed out so
     log = record_schedule(eng)
     return engine_greedy(eng, prompts, LONG_NEW), log
 

@@ -78,14 +78,44 @@ def test_mhc_kernels_compile(dtype, precision, block_t):
              dict(N=4, BLOCK_H=512))
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_fused_moe_kernels_compile(dtype):
+# bf16/fp32 as before; fp8 experts (bf16 activations) with the decode tile (16 x 256, K spanning two scale blocks)
+# and the prefill tile. The fp32 fp8 path (oracle mode) runs under the interpreter test.
+@pytest.mark.parametrize("dtype,fp8,block_m,block_k", [("bf16", False, 64, 64), ("fp32", False, 64, 64),
+                                                       ("bf16", True, 16, 256), ("bf16", True, 64, 64)])
+def test_fused_moe_kernels_compile(dtype, fp8, block_m, block_k):
     from glm5_kernels.fused_moe import _moe_down_kernel, _moe_gate_up_kernel
     common = dict(sorted_ids_ptr="i32", block_expert_ptr="i32", total_ptr="i32")
-    tiles = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, EVEN_K=True, IEEE=dtype == "fp32")
-    _compile(_moe_gate_up_kernel, dict(x_ptr=dtype, wg_ptr=dtype, wu_ptr=dtype, h_ptr=dtype, **common),
+    w = "fp8e4nv" if fp8 else dtype
+    s = "fp32" if fp8 else dtype  # without fp8 the scale pointers are unused placeholders (the weights)
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=128 if block_m == 64 else 64, BLOCK_K=block_k, GROUP_M=8, EVEN_K=True,
+                 IEEE=dtype == "fp32", W_FP8=fp8, SB=128)
+    _compile(_moe_gate_up_kernel, dict(x_ptr=dtype, wg_ptr=w, wu_ptr=w, h_ptr=dtype, sg_ptr=s, su_ptr=s, **common),
              dict(TOP_K=8, **tiles), floats=("limit",))
-    _compile(_moe_down_kernel, dict(h_ptr=dtype, wd_ptr=dtype, y_ptr=dtype, topk_w_ptr="fp32", **common), tiles)
+    _compile(_moe_down_kernel, dict(h_ptr=dtype, wd_ptr=w, y_ptr=dtype, topk_w_ptr="fp32", sd_ptr=s, **common), tiles)
+
+
+@pytest.mark.parametrize("dtype,block_m,block_n,split,bias", [("bf16", 16, 16, 1, False), ("bf16", 16, 64, 4, True),
+                                                              ("bf16", 64, 128, 1, True)])
+def test_fp8_gemv_kernel_compiles(dtype, block_m, block_n, split, bias):
+    from glm5_kernels.fp8_linear import _fp8_gemv_kernel
+    _compile(_fp8_gemv_kernel, dict(x_ptr=dtype, w_ptr="fp8e4nv", s_ptr="fp32", y_ptr=dtype if split == 1 else "fp32",
+                                    b_ptr=dtype if bias else "fp32"),
+             dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=256, SPLIT_K=split, SB=128, HAS_BIAS=bias, EVEN_K=True,
+                  IEEE=dtype == "fp32"))
+
+
+def test_fp8_group_quant_kernel_compiles():
+    from glm5_kernels.fp8_linear import _group_quant_kernel
+    _compile(_group_quant_kernel, dict(x_ptr="bf16", q_ptr="fp8e4nv", s_ptr="fp32"),
+             dict(GROUP=128, FP8_MAX_=448.0, MIN_AMAX_=1e-12))
+
+
+@pytest.mark.parametrize("block_m,block_n,bias", [(64, 128, False), (128, 128, True)])
+def test_w8a8_gemm_kernel_compiles(block_m, block_n, bias):
+    from glm5_kernels.fp8_linear import _w8a8_gemm_kernel
+    _compile(_w8a8_gemm_kernel, dict(a_ptr="fp8e4nv", as_ptr="fp32", b_ptr="fp8e4nv", bs_ptr="fp32", c_ptr="bf16",
+                                     bias_ptr="bf16" if bias else "fp32"),
+             dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, HAS_BIAS=bias))
 
 
 @pytest.mark.parametrize("fp8", [False, True])

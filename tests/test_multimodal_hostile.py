@@ -226,3 +226,15 @@ def test_hostile_input_gets_its_specific_error(hostile_results, name: str) -> No
 def test_hostile_inputs_keep_peak_memory_bounded(hostile_results) -> None:
     peak = max(r["rss_mb"] for r in hostile_results.values())
     assert peak < RSS_BOUND_MB, {k: round(v["rss_mb"]) for k, v in hostile_results.items()}
+
+
+@pytest.mark.parametrize("data", [b"\x89PNG\r\n\x1a\n" + b"\0" * 40, b"not an image at all", b"GIF89a" + b"\x01" * 30])
+def test_image_decode_errors_show_no_python_object_or_address(data: bytes) -> None:
+    """pillow's message names the BytesIO object and its address; clients must not see either."""
+    from glm5.multimodal import MediaDecodeError, preprocess_image
+
+    with pytest.raises(MediaDecodeError) as err:
+        preprocess_image(data)
+    msg = str(err.value)
+    assert "object at" not in msg and "0x" not in msg and "BytesIO" not in msg, msg
+    assert "not a decodable image" in msg

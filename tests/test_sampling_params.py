@@ -229,3 +229,18 @@ def test_no_effect_keys_are_accepted_and_unsupported_keys_name_the_reason() -> N
         assert UNSUPPORTED_KEYS[key] in str(info.value)
     # an explicit null of an unsupported feature asks for nothing
     assert SamplingParams.from_dict({"structured_outputs": None}) == SamplingParams()
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**63), 2**63, 2**64 - 1])
+def test_seeds_that_would_wrap_are_rejected(seed: int) -> None:
+    """torch folds a negative seed onto the top of the uint64 range (-1 and 2**64-1 gave the same
+    stream); the accepted range is the non-negative int64 one, and the error says so."""
+    with pytest.raises(SamplingParamsError, match=r"'seed'.*\[0, 9223372036854775807\]"):
+        SamplingParams(seed=seed)
+    with pytest.raises(SamplingParamsError, match="'seed'"):
+        SamplingParams.from_dict({"seed": str(seed)})
+
+
+def test_seed_range_ends_are_accepted() -> None:
+    assert SamplingParams(seed=0).seed == 0
+    assert SamplingParams.from_dict({"seed": str(2**63 - 1)}).seed == 2**63 - 1

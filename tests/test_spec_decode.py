@@ -43,7 +43,7 @@ def test_greedy_speculative_is_token_identical_batched_and_alone(spec_ckpt):
         for i in (0, 9, 13, 19):  # short, pool boundary, just past dense, long sparse
             assert alone_eng.generate([prompts[i]], greedy(24))[0].token_ids == ref[i], f"k={k} prompt {i} alone"
         # every cache block and state slot is back after the run
-        assert eng.blocks.num_used == 0 and eng.slots.num_free == eng.slots.num_slots
+        assert eng.blocks.num_used == 0 and eng.slots.num_free == eng.slots.capacity
 
 
 def test_speculation_respects_max_tokens_and_stop_tokens(spec_ckpt):
@@ -145,7 +145,7 @@ def test_mtp_layer_matches_plain_reimplementation(tmp_path):
     ids = torch.tensor(random_prompt(n + 1, VOCAB, seed=3))
     hidden = hf.model.language_model(input_ids=ids[None, :n]).last_hidden_state[0]
     ref = reference_mtp(hf, eng.runner.model.weights, mtp.layer, ids[1:], hidden)
-    slot = eng.slots.allocate()
+    slot = eng.slots.allocate_one()
     eng.runner.cache.reset_slot(slot)
     blocks = torch.tensor(eng.blocks.allocate(-(-n // eng.args.block_size)))
     batch = ForwardBatch(input_ids=ids[1:], positions=torch.arange(n), seqs=[SeqChunk(0, n, 0, blocks, slot)],

@@ -143,7 +143,8 @@ def test_corrupt_image_over_http_is_400(server):
 
 def test_stop_request_stops_a_request_running_in_the_ensemble(server):
     """Client cancellation does not reach a running ensemble step on Triton 2.51; a `stop` request
-    to glm5 with the same request id does (the ensemble passes its request id to its steps)."""
+    to glm5 with the same request id and stop_key does (the ensemble passes its request id and the
+    stop_key input to the glm5 step)."""
     import threading
     import time
 
@@ -151,14 +152,14 @@ def test_stop_request_stops_a_request_running_in_the_ensemble(server):
 
     def long_request() -> None:
         with Glm5Client(server.grpc_url, model="glm5_multimodal") as c:
-            box["result"] = c.generate("a long story", request_id="ens-job-1",
+            box["result"] = c.generate("a long story", request_id="ens-job-1", stop_key="ens-secret-0123456789",
                                        sampling={"max_tokens": 400, "temperature": 0, "ignore_eos": True})
 
     t = threading.Thread(target=long_request)
     t.start()
     time.sleep(1.5)           # preprocess + a few decode steps
     with Glm5Client(server.grpc_url, model="glm5") as c:
-        c.stop("ens-job-1")
+        assert c.stop("ens-job-1", "ens-secret-0123456789")
     t.join(60)
     assert not t.is_alive()
     res = box["result"]

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from glm5.serving import launcher
-from glm5.serving.request import (RequestError, StopRegistry, check_finite_numbers, decode_media_item,
-                                  output_flags, parse_json_object, parse_messages, request_parameters)
+from glm5.serving.request import (DuplicateRequestIdError, LiveRequests, RequestError, check_finite_numbers,
+                                  check_stop_key, decode_media_item, output_flags, parse_json_object, parse_messages,
+                                  request_parameters)
 
 
 def test_media_raw_bytes_pass_through_and_base64_is_decoded():
@@ -41,7 +42,8 @@ def test_json_object_inputs():
 
 
 def test_request_parameters_drop_reserved_and_triton_keys():
-    params = json.dumps({"max_tokens": 5, "priority": 1, "triton_enable_empty_final_response": True, "top_p": 0.5})
+    params = json.dumps({"max_tokens": 5, "priority": 1, "triton_enable_empty_final_response": True, "top_p": 0.5,
+                         "id": "req-7"})
     assert request_parameters(params) == {"max_tokens": 5, "top_p": 0.5}
 
 
@@ -74,16 +76,34 @@ def test_output_flags_follow_vllm_conventions():
     assert output_flags(True, None, return_logprobs=True).return_logprobs is True
 
 
-def test_stop_registry_tracks_engine_ids_per_client_id():
-    reg = StopRegistry()
-    reg.add("job", "job-a")
-    reg.add("job", "job-b")
-    reg.add("", "anon")                 # requests without an id cannot be stopped by id
-    assert reg.lookup("job") == {"job-a", "job-b"}
-    reg.remove("job", "job-a")
-    assert reg.lookup("job") == {"job-b"}
-    reg.remove("job", "job-b")
-    assert reg.lookup("job") == set() and reg.active == {}
+def test_live_requests_one_per_id_and_stops_need_the_key():
+    live = LiveRequests()
+    key = "k" * 16
+    live.register("job", "job-a", key)
+    with pytest.raises(DuplicateRequestIdError, match="'job' belongs to a request that is still running"):
+        live.register("job", "job-b", key)          # one id names at most one running request
+    live.register("", "anon-1", None)               # requests without an id are not registered
+    live.register("", "anon-2", None)
+    assert live.authorize_stop("job", key) == "job-a"
+    assert live.authorize_stop("job", "x" * 16) is None          # wrong key
+    assert live.authorize_stop("other", key) is None             # unknown id
+    live.register("nokey", "nokey-a", None)
+    assert live.authorize_stop("nokey", key) is None             # a request without a key cannot be stopped
+    live.release("job", "job-zzz")                  # a stale release of another engine id keeps the entry
+    assert live.authorize_stop("job", key) == "job-a"
+    live.release("job", "job-a")
+    assert live.authorize_stop("job", key) is None
+    live.register("job", "job-c", key)              # the id is free again once its request ended
+    assert set(live.active) == {"job", "nokey"}
+
+
+def test_stop_key_length_is_checked():
+    assert check_stop_key(None) is None and check_stop_key("") is None
+    assert check_stop_key("a" * 32) == "a" * 32
+    with pytest.raises(RequestError, match="stop_key has 5 characters; use 16 to 256"):
+        check_stop_key("short")
+    with pytest.raises(RequestError, match="stop_key has 300"):
+        check_stop_key("a" * 300)
 
 
 def test_backend_directory_layout(tmp_path: Path):

@@ -168,12 +168,12 @@ def test_client_cancellation_aborts_engine_request(server):
 
 
 def test_stop_request_aborts_by_request_id(server):
-    """The ensemble-compatible stop path: a `stop` request with the same request id."""
+    """The ensemble-compatible stop path: a `stop` request with the same request id and stop_key."""
     box: dict = {}
 
     def run() -> None:
         with Glm5Client(server.grpc_url) as c:
-            box["result"] = c.generate("stop me", request_id="job-42",
+            box["result"] = c.generate("stop me", request_id="job-42", stop_key="job-42-secret-key-0001",
                                        sampling={"max_tokens": 400, "temperature": 0, "ignore_eos": True})
 
     t = threading.Thread(target=run)
@@ -182,7 +182,7 @@ def test_stop_request_aborts_by_request_id(server):
     while metric(server, "glm5:num_requests_running") < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     with Glm5Client(server.grpc_url) as c:
-        c.stop("job-42")
+        assert c.stop("job-42", "job-42-secret-key-0001")
     t.join(60)
     res = box["result"]
     assert res.finish_reason == "abort"
@@ -191,7 +191,7 @@ def test_stop_request_aborts_by_request_id(server):
 
 def test_stop_request_for_unknown_id_is_harmless(server):
     with Glm5Client(server.grpc_url) as c:
-        c.stop("no-such-request")       # aborts nothing, answers normally
+        assert not c.stop("no-such-request", "any-key-of-16-chars")   # aborts nothing, answers normally
         assert c.generate("still fine", sampling={"max_tokens": 2}).num_output_tokens == 2
 
 

@@ -32,6 +32,40 @@ def _bad(field_name: str, value: Any, why: str, fix: str) -> ConfigError:
     return ConfigError(f"config field {field_name!r} = {value!r}: {why}. Fix: {fix}.")
 
 
+#: Checkpoint keys that select a variant of the math (in transformers or in the original
+#: checkpoint's definition) of which the engine implements exactly the listed values. Anything else
+#: is refused at load: running a different model silently is worse than not starting. Keys absent
+#: from ``config.json`` take the supported default. ``attention_bias`` is refused rather than
+#: implemented: transformers adds biases to MLA ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj``,
+#: which the engine's absorbed-MLA kernels do not take, and no GLM-5.3-Flash checkpoint has them.
+_TEXT_SUPPORTED_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
+    "attention_bias": ((False,), "MLA projection biases (q_a_proj, kv_a_proj_with_mqa, o_proj) are not "
+                                 "implemented"),
+    "hidden_act": (("silu", "swish"), "the dense MLPs, the experts and the KDA short convolution use SiLU only"),
+    "scoring_func": (("sigmoid",), "the MoE router scores experts with a sigmoid only"),
+    "topk_method": (("noaux_tc",), "experts are chosen by bias-corrected top-k (noaux_tc) only"),
+    "moe_router_dtype": (("float32",), "the router runs in float32 only"),
+    "mla_use_nope": ((True,), "MLA attention is NoPE (no rope dims) only"),
+    "index_kpool_compress": ((True,), "the indexer compresses keys into kpool pools only"),
+}
+_VISION_SUPPORTED_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
+    "attention_bias": ((True,), "the vision tower applies its qkv/proj/MLP biases always"),
+    "hidden_act": (("silu", "swish"), "the vision MLP uses SiLU only"),
+    "in_channels": ((3,), "the image processor produces RGB patches only"),
+}
+#: The vision tower's 2-D rope base (transformers reads ``rope_parameters["rope_theta"]``).
+VISION_ROPE_THETA = 10000.0
+
+
+def check_supported_values(d: dict[str, Any], table: dict[str, tuple[tuple[Any, ...], str]], prefix: str) -> None:
+    """Refuse present keys whose value the engine does not implement (see ``_TEXT_SUPPORTED_VALUES``)."""
+    for key, (allowed, why) in table.items():
+        if key in d and d[key] not in allowed:
+            shown = " or ".join(repr(a) for a in allowed)
+            raise _bad(f"{prefix}{key}", d[key], f"not supported: {why}",
+                       f"use {shown} (the GLM-5.3-Flash value), or run this checkpoint with transformers")
+
+
 @dataclass
 class VisionConfig:
     """``vision_config`` of the checkpoint (HF ``Glm5NextVisionConfig`` defaults)."""
@@ -58,6 +92,13 @@ class VisionConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "VisionConfig":
+        check_supported_values(d, _VISION_SUPPORTED_VALUES, "vision_config.")
+        rope = d.get("rope_parameters") or {}
+        theta = rope.get("rope_theta", VISION_ROPE_THETA)
+        if rope.get("rope_type", "axial") != "axial" or theta != VISION_ROPE_THETA:
+            raise _bad("vision_config.rope_parameters", rope, "not supported: the vision tower implements axial "
+                       f"2-D rope with rope_theta={VISION_ROPE_THETA:g} only",
+                       "drop rope_parameters or use the GLM-5.3-Flash values")
         known = {f for f in cls.__dataclass_fields__}
         kwargs = {k: v for k, v in d.items() if k in known}
         if "num_attention_heads" in d and "num_heads" not in d:
@@ -152,6 +193,7 @@ class TextConfig:
     # ------------------------------------------------------------------ parsing
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TextConfig":
+        check_supported_values(d, _TEXT_SUPPORTED_VALUES, "")
         known = set(cls.__dataclass_fields__) - {"layer_kinds", "mlp_kinds", "eos_token_id"}
         kwargs = {k: v for k, v in d.items() if k in known}
         cfg = cls(**kwargs)

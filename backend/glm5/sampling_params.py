@@ -84,9 +84,11 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "lora_name": "LoRA feature is not enabled (this model serves no LoRA adapters)",
 }
 
-#: Range of ``torch.Generator.manual_seed``.
-_SEED_MIN = -(2**63)
-_SEED_MAX = 2**64 - 1
+#: Accepted seeds: the non-negative int64 range (what OpenAI-style clients and INT64 tensors carry).
+#: ``torch.Generator.manual_seed`` takes [-2**63, 2**64) but folds negative seeds onto the top of the
+#: uint64 range (-1 and 2**64-1 give the same stream), so both ends outside [0, 2**63) are refused.
+_SEED_MIN = 0
+_SEED_MAX = 2**63 - 1
 
 
 class SamplingParamsError(ValueError):

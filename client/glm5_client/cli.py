@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -70,6 +71,8 @@ def _generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help="server address host:port (default 127.0.0.1:8001 gRPC / :8000 HTTP)")
     p.add_argument("--model", default="glm5", help="model name (glm5, or glm5_multimodal for the ensemble)")
     p.add_argument("--request-id", default="", help="request id (lets 'glm5-client stop' abort it)")
+    p.add_argument("--stop-key", default="", help="secret for 'glm5-client stop' (16+ characters; default with "
+                   "--request-id: a random key, printed to stderr)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for each response")
     _add_sampling(p)
     return p
@@ -94,6 +97,7 @@ def _stop_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="glm5-client stop", description="abort a running request by id "
                                 "(the way to stop a request sent through the ensemble)")
     p.add_argument("request_id")
+    p.add_argument("--stop-key", required=True, help="the stop key the request was sent with")
     p.add_argument("--url", default="127.0.0.1:8001")
     p.add_argument("--model", default="glm5")
     return p
@@ -102,9 +106,14 @@ def _stop_parser() -> argparse.ArgumentParser:
 def _main_generate(argv: list[str]) -> int:
     args = _generate_parser().parse_args(argv)
     images, videos = _read_files(args.image), _read_files(args.video)
+    stop_key = args.stop_key
+    if args.request_id and not stop_key:
+        stop_key = secrets.token_hex(16)
+        print(f"glm5-client: stop this request with: glm5-client stop {args.request_id} --stop-key {stop_key}",
+              file=sys.stderr)
     kwargs: dict[str, Any] = dict(images=images, videos=videos, sampling=_sampling(args) or None,
                                   stream=bool(args.stream), return_logprobs=bool(args.logprobs),
-                                  request_id=args.request_id)
+                                  request_id=args.request_id, stop_key=stop_key)
     prompt = args.prompt
     # Media need placeholders in the prompt; unless the user wrote them into a raw prompt, send a
     # chat message (the chat template inserts one placeholder per image/video part).
@@ -185,10 +194,13 @@ def _main_stop(argv: list[str]) -> int:
     args = _stop_parser().parse_args(argv)
     with Glm5Client(args.url, model=args.model) as client:
         try:
-            client.stop(args.request_id)
+            stopped = client.stop(args.request_id, args.stop_key)
         except Glm5ClientError as exc:
             print(f"glm5-client: server error: {exc}", file=sys.stderr)
             return 1
+    if not stopped:
+        print(f"glm5-client: no running request {args.request_id!r} with that stop key", file=sys.stderr)
+        return 1
     return 0
 
 

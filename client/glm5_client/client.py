@@ -117,6 +117,8 @@ class GenerateRequest:
     return_logprobs: bool = False
     request_id: str = ""
     stop: bool = False
+    # secret that proves ownership of ``request_id`` to a later stop request (16-256 characters)
+    stop_key: str = ""
 
     def tensors(self) -> list[tuple[str, np.ndarray, str]]:
         """(name, array, triton dtype) for each input to send."""
@@ -139,6 +141,8 @@ class GenerateRequest:
                      "return_logprobs", "stop"):
             if getattr(self, name):
                 t.append((name, np.array([True], dtype=bool), "BOOL"))
+        if self.stop_key:
+            t.append(("stop_key", np.array([self.stop_key.encode()], dtype=np.object_), "BYTES"))
         return t
 
     def http_body(self) -> dict[str, Any]:
@@ -158,6 +162,8 @@ class GenerateRequest:
                      "return_logprobs", "stop"):
             if getattr(self, name):
                 body[name] = True
+        if self.stop_key:
+            body["stop_key"] = self.stop_key
         return body
 
 
@@ -261,11 +267,14 @@ class Glm5Client:
         start = time.perf_counter()
         return collect(list(self.generate_stream(prompt, **kwargs)), start)
 
-    def stop(self, request_id: str) -> None:
-        """Ask the glm5 model to abort the request sent with ``request_id`` (works for ensembles)."""
-        list(self.generate_stream("", request_id=request_id, stop=True, stream=False,
-                                  return_finish_reason=False, return_num_input_tokens=False,
-                                  return_num_output_tokens=False))
+    def stop(self, request_id: str, stop_key: str) -> bool:
+        """Ask the glm5 model to abort the running request sent with ``request_id`` and ``stop_key``
+        (works for ensembles). True if a request was stopped; False if none matched (unknown id,
+        finished, or sent without / with another key)."""
+        chunks = list(self.generate_stream("", request_id=request_id, stop=True, stream=False, stop_key=stop_key,
+                                           return_finish_reason=False, return_num_input_tokens=False,
+                                           return_num_output_tokens=False))
+        return any((c.num_output_tokens or 0) > 0 for c in chunks)
 
     # -- gRPC --
     def _grpc_stream(self, req: GenerateRequest) -> Iterator[GenerationChunk]:

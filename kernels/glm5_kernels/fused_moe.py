@@ -23,6 +23,13 @@ Design (the structure of vLLM's ``fused_moe``, written for separate gate/up tens
 fp32 inputs use ``input_precision="ieee"`` (the fp32 mode is compared token for token with an
 oracle); bf16/fp16 use tensor cores with fp32 accumulation.
 
+fp8 experts (``scales=(s_gate, s_up, s_down)``, weights ``float8_e4m3fn`` with fp32 scales per 128 x 128
+tile, ``[E, ceil(rows/128), ceil(cols/128)]``): the kernels read one byte per weight and dequantise in
+registers (W8A16, the activations stay bf16). A weight tile at most 128 wide in N lies in one scale row,
+so its scales are one value per 128 columns of K: they are folded into the activation tile
+(``a[:, k] · s[n_blk, k // 128]``) before the ``tl.dot`` on the fp8 values widened to the activation dtype.
+fp8 tables are separate files (``..._fp8w_{device}.json``).
+
 Launch configs come from a tuning table (``configs/fused_moe_E{E}_H{H}_I{I}_{dtype}_{device}.json``,
 written by ``bench/tune_fused_moe.py``), keyed by token count; the nearest entry is used, else
 :func:`default_config`.
@@ -49,6 +56,8 @@ SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on H100/H200
 TILE_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 CONFIG_KEYS = ("BLOCK_SIZE_M",) + TILE_KEYS
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_BLOCK = 128
 
 
 def moe_forward_flops_bytes(t: int, e_touched: int, h: int, i: int, k: int, elem: int) -> tuple[int, int]:
@@ -141,13 +150,26 @@ def _block_coords(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def _fold_scales(a, s_row_ptr, kk, k_ok, EVEN_K: tl.constexpr, SB: tl.constexpr):
+    """``a [BM, BK] · s[k // SB]``: one fp8 weight-tile row's block scales folded into the activation tile."""
+    if EVEN_K:
+        sc = tl.load(s_row_ptr + kk // SB)
+    else:
+        sc = tl.load(s_row_ptr + kk // SB, mask=k_ok, other=0.0)
+    return (a.to(tl.float32) * sc[None, :]).to(a.dtype)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
 def _moe_gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr,
+                        sg_ptr, su_ptr,
                         num_pairs, num_pid_m, N, K, limit,
-                        stride_xm, stride_we, stride_wn, stride_hm,
+                        stride_xm, stride_we, stride_wn, stride_hm, stride_se, stride_sn,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
-    """h[pair, n] = clamped_swiglu(x[token] · W_gate[e, n], x[token] · W_up[e, n]); N = I, K = H."""
+                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                        W_FP8: tl.constexpr = False, SB: tl.constexpr = 128):
+    """h[pair, n] = clamped_swiglu(x[token] · W_gate[e, n], x[token] · W_up[e, n]); N = I, K = H.
+    ``W_FP8``: the weights are e4m3 with block scales ``s[e, n // SB, k // SB]`` (BLOCK_N divides SB)."""
     pid = tl.program_id(0)
     pid_m, pid_n = _block_coords(pid, num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -163,19 +185,30 @@ def _moe_gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ids_ptr, block_expe
     a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
     g_ptrs = wg_ptr + w_off
     u_ptrs = wu_ptr + w_off
+    s_off = expert * stride_se + ((pid_n * BLOCK_N) // SB) * stride_sn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - kb * BLOCK_K
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             bg = tl.load(g_ptrs)
             bu = tl.load(u_ptrs)
         else:
-            k_ok = offs_k < K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             bg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             bu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-        if IEEE:
+        if W_FP8:
+            kk = kb * BLOCK_K + offs_k
+            ag = _fold_scales(a, sg_ptr + s_off, kk, k_ok, EVEN_K, SB)
+            au = _fold_scales(a, su_ptr + s_off, kk, k_ok, EVEN_K, SB)
+            if IEEE:
+                acc_g = tl.dot(ag, bg.to(tl.float32), acc_g, input_precision="ieee")
+                acc_u = tl.dot(au, bu.to(tl.float32), acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(ag, bg.to(a.dtype), acc_g)
+                acc_u = tl.dot(au, bu.to(a.dtype), acc_u)
+        elif IEEE:
             acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
             acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
         else:
@@ -192,12 +225,13 @@ def _moe_gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ids_ptr, block_expe
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
-def _moe_down_kernel(h_ptr, wd_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr,
+def _moe_down_kernel(h_ptr, wd_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr, sd_ptr,
                      num_pairs, num_pid_m, N, K,
-                     stride_hm, stride_we, stride_wn, stride_ym,
+                     stride_hm, stride_we, stride_wn, stride_ym, stride_se, stride_sn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
-    """y[pair, n] = w[pair] · (h[pair] · W_down[e, n]); N = H, K = I."""
+                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                     W_FP8: tl.constexpr = False, SB: tl.constexpr = 128):
+    """y[pair, n] = w[pair] · (h[pair] · W_down[e, n]); N = H, K = I (``W_FP8`` as in the gate/up kernel)."""
     pid = tl.program_id(0)
     pid_m, pid_n = _block_coords(pid, num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -210,16 +244,23 @@ def _moe_down_kernel(h_ptr, wd_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr, block_exp
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + rows64[:, None] * stride_hm + offs_k[None, :]
     b_ptrs = wd_ptr + expert * stride_we + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    s_off = expert * stride_se + ((pid_n * BLOCK_N) // SB) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - kb * BLOCK_K
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptrs)
         else:
-            k_ok = offs_k < K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        if IEEE:
+        if W_FP8:
+            a = _fold_scales(a, sd_ptr + s_off, kb * BLOCK_K + offs_k, k_ok, EVEN_K, SB)
+            if IEEE:
+                acc = tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b.to(a.dtype), acc)
+        elif IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
@@ -278,8 +319,11 @@ def device_name(device: torch.device) -> str:
     return _device_name(device.type, device.index)
 
 
-def config_file_name(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, dev_name: str) -> str:
-    return f"fused_moe_E{num_experts}_H{hidden}_I{inter}_{dtype_name(dtype)}_{dev_name}.json"
+def config_file_name(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, dev_name: str,
+                     fp8_weights: bool = False) -> str:
+    """``fused_moe_E{E}_H{H}_I{I}_{dtype}[_fp8w]_{device}.json`` (``_fp8w``: fp8 experts, ``dtype`` activations)."""
+    tag = dtype_name(dtype) + ("_fp8w" if fp8_weights else "")
+    return f"fused_moe_E{num_experts}_H{hidden}_I{inter}_{tag}_{dev_name}.json"
 
 
 def validate_config(cfg: dict[str, Any]) -> None:
@@ -304,10 +348,10 @@ def validate_config(cfg: dict[str, Any]) -> None:
 
 @functools.lru_cache(maxsize=None)
 def load_config_table(num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
-                      dev_name: str) -> tuple[tuple[int, dict[str, Any]], ...] | None:
+                      dev_name: str, fp8_weights: bool = False) -> tuple[tuple[int, dict[str, Any]], ...] | None:
     """Tuning table for this shape/dtype/device as sorted ``(M, config)`` pairs, or None if absent.
     Non-numeric keys (e.g. ``"_meta"``) are ignored. Callers must not mutate the configs."""
-    path = CONFIG_DIR / config_file_name(num_experts, hidden, inter, dtype, dev_name)
+    path = CONFIG_DIR / config_file_name(num_experts, hidden, inter, dtype, dev_name, fp8_weights)
     if not path.exists():
         logger.info("no fused_moe tuning table %s; using the default heuristic", path.name)
         return None
@@ -330,8 +374,9 @@ def select_config(table: tuple[tuple[int, dict[str, Any]], ...], num_tokens: int
 
 
 def get_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
-               dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
-    table = load_config_table(num_experts, hidden, inter, dtype, device_name(device))
+               dtype: torch.dtype, device: torch.device, fp8_weights: bool = False) -> dict[str, Any]:
+    """The tuned config nearest ``num_tokens`` (the fp8-weight table for fp8 experts), else the default."""
+    table = load_config_table(num_experts, hidden, inter, dtype, device_name(device), fp8_weights)
     if table is None:
         return default_config(num_tokens, top_k, num_experts, dtype)
     return select_config(table, num_tokens)
@@ -360,41 +405,58 @@ def _fit_smem(block_m: int, block_n: int, block_k: int, stages: int, b_tiles: in
 # launchers
 # ----------------------------------------------------------------------------------------------
 
+def _scale_args(scale: torch.Tensor | None, w: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(pointer, expert stride, row-block stride) of an fp8 stack's scales; the weight itself as a dummy."""
+    if scale is None:
+        return w, 0, 0
+    return scale, scale.stride(0), scale.stride(1)
+
+
 def moe_gate_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, routing: AlignedRouting,
-                top_k: int, swiglu_limit: float, cfg: dict[str, Any], out: torch.Tensor | None = None) -> torch.Tensor:
+                top_k: int, swiglu_limit: float, cfg: dict[str, Any], out: torch.Tensor | None = None,
+                scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """First GEMM + clamped SwiGLU: ``h [T*k, I]`` in ``x.dtype`` (pair order; rows of unrouted pairs
-    are never written, but every pair is routed)."""
+    are never written, but every pair is routed). ``scales``: (gate, up) block scales of fp8 weights."""
     t, hidden = x.shape
     inter = w_gate.shape[1]
     h = out if out is not None else torch.empty(t * top_k, inter, device=x.device, dtype=x.dtype)
     bn, bk = _fit(cfg["BLOCK_SIZE_N"], inter), _fit(cfg["BLOCK_SIZE_K"], hidden)
+    if scales is not None:
+        bn = min(bn, FP8_BLOCK)  # one scale row per weight tile
     bk, stages = _fit_smem(routing.block_m, bn, bk, cfg["num_stages"], 2, x.element_size())
+    sg, se, sn = _scale_args(None if scales is None else scales[0], w_gate)
+    su, _, _ = _scale_args(None if scales is None else scales[1], w_up)
     grid = (routing.num_blocks * triton.cdiv(inter, bn),)
     _moe_gate_up_kernel[grid](
-        x, w_gate, w_up, h, routing.sorted_ids, routing.block_expert, routing.total_rows,
+        x, w_gate, w_up, h, routing.sorted_ids, routing.block_expert, routing.total_rows, sg, su,
         routing.num_pairs, routing.num_blocks, inter, hidden, float(swiglu_limit),
-        x.stride(0), w_gate.stride(0), w_gate.stride(1), h.stride(0),
+        x.stride(0), w_gate.stride(0), w_gate.stride(1), h.stride(0), se, sn,
         TOP_K=top_k, BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
-        EVEN_K=hidden % bk == 0, IEEE=x.dtype == torch.float32,
+        EVEN_K=hidden % bk == 0, IEEE=x.dtype == torch.float32, W_FP8=scales is not None, SB=FP8_BLOCK,
         num_warps=cfg["num_warps"], num_stages=stages)
     return h
 
 
 def moe_down(h: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, routing: AlignedRouting,
-             cfg: dict[str, Any], out: torch.Tensor | None = None) -> torch.Tensor:
-    """Second GEMM times the routing weight: ``y [T*k, H]`` in ``h.dtype`` (pair order)."""
+             cfg: dict[str, Any], out: torch.Tensor | None = None,
+             scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Second GEMM times the routing weight: ``y [T*k, H]`` in ``h.dtype`` (pair order). ``scale``: the block
+    scales of fp8 ``w_down``."""
     pairs, inter = h.shape
     hidden = w_down.shape[1]
     y = out if out is not None else torch.empty(pairs, hidden, device=h.device, dtype=h.dtype)
     bn, bk = _fit(cfg["BLOCK_SIZE_N"], hidden), _fit(cfg["BLOCK_SIZE_K"], inter)
+    if scale is not None:
+        bn = min(bn, FP8_BLOCK)
     bk, stages = _fit_smem(routing.block_m, bn, bk, cfg["num_stages"], 1, h.element_size())
+    sd, se, sn = _scale_args(scale, w_down)
     grid = (routing.num_blocks * triton.cdiv(hidden, bn),)
     _moe_down_kernel[grid](
-        h, w_down, y, topk_weights, routing.sorted_ids, routing.block_expert, routing.total_rows,
+        h, w_down, y, topk_weights, routing.sorted_ids, routing.block_expert, routing.total_rows, sd,
         routing.num_pairs, routing.num_blocks, hidden, inter,
-        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), se, sn,
         BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
-        EVEN_K=inter % bk == 0, IEEE=h.dtype == torch.float32,
+        EVEN_K=inter % bk == 0, IEEE=h.dtype == torch.float32, W_FP8=scale is not None, SB=FP8_BLOCK,
         num_warps=cfg["num_warps"], num_stages=stages)
     return y
 
@@ -405,7 +467,8 @@ def down_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_inputs(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     if x.dim() != 2:
         raise ValueError(f"x has shape {tuple(x.shape)}; flatten it to [tokens, hidden]")
     t, hidden = x.shape
@@ -418,9 +481,17 @@ def _check_inputs(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
     if hidden % 16 or inter % 16:
         raise ValueError(f"fused_moe needs H and I to be multiples of 16 (tl.dot tiles), got H={hidden}, I={inter}; "
                          "use the torch MoE backend for this shape")
-    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-        if w.dtype != x.dtype:
-            raise ValueError(f"{name} dtype {w.dtype} != x dtype {x.dtype}; cast x to the model dtype")
+    want_w = FP8_DTYPE if scales is not None else x.dtype
+    for i, (name, w) in enumerate((("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down))):
+        if w.dtype != want_w:
+            raise ValueError(f"{name} dtype {w.dtype} != {want_w} ({'fp8 experts: scales given' if scales is not None else 'x dtype'}); "
+                             "cast x to the model dtype, or pass scales only with float8_e4m3fn experts")
+        if scales is not None:
+            s = scales[i]
+            want = (w.shape[0], triton.cdiv(w.shape[1], FP8_BLOCK), triton.cdiv(w.shape[2], FP8_BLOCK))
+            if tuple(s.shape) != want or s.dtype != torch.float32 or s.stride(-1) != 1 or s.device != x.device:
+                raise ValueError(f"{name} block scales {s.dtype} {tuple(s.shape)} do not fit {tuple(w.shape)}: need a "
+                                 f"row-major float32 {want} on {x.device}")
         if w.stride(-1) != 1 or w.stride(1) != w.shape[2] or w.device != x.device:
             raise ValueError(f"{name} must be a row-major [E, rows, cols] tensor on {x.device} (strides "
                              f"{w.stride()}); load the experts contiguously (a copy would not fit at full size)")
@@ -436,10 +507,13 @@ def _check_inputs(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
 
 def fused_moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, swiglu_limit: float | None,
-              config: dict[str, Any] | None = None, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+              config: dict[str, Any] | None = None,
+              scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+              expert_map: torch.Tensor | None = None) -> torch.Tensor:
     """Routed-expert forward of ``x [T, H]`` → ``[T, H]`` in ``x.dtype`` (see module docstring).
 
-    ``w_gate``/``w_up`` ``[E, I, H]`` and ``w_down`` ``[E, H, I]`` in ``x.dtype``; ``topk_weights``
+    ``w_gate``/``w_up`` ``[E, I, H]`` and ``w_down`` ``[E, H, I]`` in ``x.dtype``, or float8_e4m3fn with
+    ``scales`` = their fp32 128 x 128 block scales (gate, up, down); ``topk_weights``
     ``[T, k]`` (any float dtype, used in fp32) and ``topk_ids`` ``[T, k]`` (distinct per token, in
     ``[0, E)``). ``config`` overrides the tuned/default launch config. No host sync.
 
@@ -449,14 +523,14 @@ def fused_moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
     if expert_map is not None:
         local = expert_map.index_select(0, topk_ids.reshape(-1).long()).view(topk_ids.shape)
         topk_ids = torch.where(local >= 0, local, torch.full_like(local, w_gate.shape[0]))
-    _check_inputs(x, w_gate, w_up, w_down, topk_weights, topk_ids)
+    _check_inputs(x, w_gate, w_up, w_down, topk_weights, topk_ids, scales)
     t, hidden = x.shape
     e, inter, _ = w_gate.shape
     top_k = topk_ids.shape[1]
     if t == 0 or top_k == 0:
         return torch.zeros_like(x)
     if config is None:
-        config = get_config(t, top_k, e, hidden, inter, x.dtype, x.device)
+        config = get_config(t, top_k, e, hidden, inter, x.dtype, x.device, fp8_weights=scales is not None)
     else:
         validate_config(config)
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
@@ -468,8 +542,10 @@ def fused_moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
     else:  # id e = "elsewhere": sorted last and never computed, so its rows of y must read as 0
         routing = moe_align_block_size(topk_ids, e + 1, config["BLOCK_SIZE_M"], num_computed_experts=e)
         y_out = torch.zeros(t * top_k, hidden, device=x.device, dtype=x.dtype)
-    h = moe_gate_up(x, w_gate, w_up, routing, top_k, limit, config)
-    y = moe_down(h, w_down, weights, routing, down_config(config), out=y_out)
+    h = moe_gate_up(x, w_gate, w_up, routing, top_k, limit, config,
+                    scales=None if scales is None else (scales[0], scales[1]))
+    y = moe_down(h, w_down, weights, routing, down_config(config), out=y_out,
+                 scale=None if scales is None else scales[2])
     if top_k == 1:
         return y
     return y.view(t, top_k, hidden).sum(dim=1)

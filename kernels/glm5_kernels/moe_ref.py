@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from glm5_kernels.fp8_ref import dequantize_fp8_block
+
 
 def clamped_swiglu_ref(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """GLM-5.3-Flash SwiGLU: the gate is clamped from above, the up projection on both sides.
@@ -19,14 +21,21 @@ def clamped_swiglu_ref(gate: torch.Tensor, up: torch.Tensor, limit: float) -> to
 
 def fused_moe_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, swiglu_limit: float,
-                  compute_dtype: torch.dtype | None = None, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+                  compute_dtype: torch.dtype | None = None,
+                  scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                  expert_map: torch.Tensor | None = None) -> torch.Tensor:
     """Per-expert loop: ``x [T, H]`` → ``[T, H]`` = Σ_k w_k · W_down[e_k] @ clamped_swiglu(...).
 
     Computes in ``x.dtype`` (accumulating the k slots in fp32) and returns ``x.dtype`` unless ``compute_dtype``
     is given; then each expert's weights are upcast one at a time (no full fp64 copy of the experts) and the
     result is returned in ``compute_dtype`` — the oracle for kernel tests and the tuner. Syncs with the host
-    once per touched expert: the CPU path, not for GPU serving. ``expert_map`` as in
-    :func:`glm5_kernels.fused_moe.fused_moe`: ids → local experts, ``-1`` skipped (a partial sum)."""
+    once per touched expert: the CPU path, not for GPU serving.
+
+    ``scales`` (gate, up, down block scales ``[E, ceil(rows/128), ceil(cols/128)]`` fp32) marks the three stacks
+    as block-scaled fp8: each touched expert is dequantised (:func:`glm5_kernels.fp8_ref.dequantize_fp8_block`,
+    fp32 products) and cast to the compute dtype, which is what the fp8 kernel path is compared with.
+    ``expert_map`` as in :func:`glm5_kernels.fused_moe.fused_moe`: ids → local experts, ``-1`` skipped (a partial
+    sum)."""
     dt = compute_dtype or x.dtype
     t, h = x.shape
     k = topk_ids.shape[1]
@@ -38,14 +47,17 @@ def fused_moe_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
     token_of = torch.arange(t, device=x.device).repeat_interleave(k)
     flat_w = topk_weights.reshape(-1).to(acc_dt)
     xc = x.to(dt)
+    def expert(w: torch.Tensor, i: int, e: int) -> torch.Tensor:
+        return w[e].to(dt) if scales is None else dequantize_fp8_block(w[e], scales[i][e], dtype=dt)
+
     for e in torch.unique(flat_e).tolist():
         if e < 0:
             continue
         sel = (flat_e == e).nonzero().squeeze(1)
         toks = token_of[sel]
         xe = xc[toks]
-        hid = clamped_swiglu_ref(F.linear(xe, w_gate[e].to(dt)), F.linear(xe, w_up[e].to(dt)), swiglu_limit)
-        y = F.linear(hid, w_down[e].to(dt)).to(acc_dt) * flat_w[sel, None]
+        hid = clamped_swiglu_ref(F.linear(xe, expert(w_gate, 0, e)), F.linear(xe, expert(w_up, 1, e)), swiglu_limit)
+        y = F.linear(hid, expert(w_down, 2, e)).to(acc_dt) * flat_w[sel, None]
         out.index_add_(0, toks, y)
     return out.to(dt)
 

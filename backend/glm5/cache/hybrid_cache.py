@@ -17,6 +17,9 @@ invariant is checked when the cache is built.
 One extra block and one extra state slot past the configured counts (``scratch_block``,
 ``scratch_slot``) are never handed out: the padding rows of a CUDA-graph decode batch point at
 them, so a replayed graph can run a fixed batch size without touching any request's cache.
+
+Prefix caching shares blocks between requests (:mod:`glm5.cache.block_manager`) and copies a request's
+slot state in and out of the state-snapshot pool (:mod:`glm5.cache.snapshot_pool`).
 """
 
 from __future__ import annotations
@@ -95,12 +98,6 @@ class HybridCache:
             t[slot].zero_()
         for t in self.tail.values():
             t[slot].zero_()
-
-    def copy_slot(self, src: int, dst: int) -> None:
-        """Copy one request's states to another slot (snapshots for speculative rollback, prefix caching)."""
-        for group in (self.conv, self.recurrent, self.tail):
-            for t in group.values():
-                t[dst].copy_(t[src])
 
     def nbytes(self) -> int:
         groups = (self.latent, self.pool_keys, self.pool_scales, self.tail, self.conv, self.recurrent)

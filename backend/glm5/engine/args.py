@@ -11,6 +11,9 @@ import torch
 
 from glm5.distributed import ParallelConfig
 
+#: where the prefix cache can take state snapshots (glm5.engine.kv_cache_manager explains each)
+SNAPSHOT_POINTS = ("request_end", "preempted", "prompt_end", "junction")
+
 
 @dataclass
 class EngineArgs:
@@ -45,6 +48,17 @@ class EngineArgs:
     nnodes: int = 1                     # machines the world spans (the others run `glm5 worker`)
     master_addr: str = "127.0.0.1"      # rendezvous address (this machine's, reachable by the other nodes)
     master_port: int = 0                # rendezvous port (0: a free one; fixed when nnodes > 1)
+    quantization: str = "auto"          # auto (fp8 checkpoint weights stay fp8 on CUDA) | fp8 (also quantize the
+    #                                     other projections at load) | none (dequantize to dtype); docs/fp8.md
+    # prefix caching (docs/prefix-caching.md): reuse cached MLA blocks + KDA state snapshots across requests
+    enable_prefix_caching: bool = True  # vLLM's flag name
+    prefix_cache_snapshot_memory_gb: float | None = None  # state-snapshot pool, inside cache_memory_gb (default 10 %)
+    prefix_cache_checkpoint_interval: int = 0     # also snapshot every N blocks of a prefill (0: off)
+    # where state snapshots are taken (comma-separated subset of SNAPSHOT_POINTS)
+    prefix_cache_snapshot_points: str = "request_end,preempted,prompt_end,junction"
+    encoder_cache_mb: float | None = None  # vision embedding cache, inside cache_memory_gb (default: 5% of it)
+    preprocess_workers: int = 2         # threads that tokenize / render chat / decode media (AsyncLLMEngine)
+    test_faults: dict | None = None     # tests only: make steps fail on purpose (glm5.engine.faults)
 
     def __post_init__(self) -> None:
         checks = [("max_model_len", self.max_model_len, 1), ("max_num_seqs", self.max_num_seqs, 1),
@@ -64,6 +78,27 @@ class EngineArgs:
             raise ValueError(f"decode_path={self.decode_path!r}: use auto, batched or per_request")
         if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch < 1:
             raise ValueError(f"cuda_graph_max_batch={self.cuda_graph_max_batch}: must be >= 1 (or unset)")
+        if self.quantization not in ("auto", "fp8", "none"):
+            raise ValueError(f"quantization={self.quantization!r}: use auto (keep the checkpoint's fp8 weights in fp8 "
+                             "on CUDA), fp8 (also quantize the other projections at load) or none (dequantize)")
+        snap = self.prefix_cache_snapshot_memory_gb
+        if snap is not None and not (snap > 0 and math.isfinite(snap)):
+            raise ValueError(f"prefix_cache_snapshot_memory_gb={self.prefix_cache_snapshot_memory_gb}: must be a "
+                             "positive number (or set enable_prefix_caching=false)")
+        if not isinstance(self.prefix_cache_checkpoint_interval, int) or self.prefix_cache_checkpoint_interval < 0:
+            raise ValueError(f"prefix_cache_checkpoint_interval={self.prefix_cache_checkpoint_interval!r}: must be an "
+                             "integer >= 0 (blocks between prefill snapshots; 0 = off)")
+        bad = sorted(set(self.snapshot_points) - set(SNAPSHOT_POINTS))
+        if bad:
+            raise ValueError(f"prefix_cache_snapshot_points={self.prefix_cache_snapshot_points!r}: unknown {bad}; "
+                             f"use a comma-separated subset of {', '.join(SNAPSHOT_POINTS)}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r}: must be true or false")
+        mb = self.encoder_cache_mb
+        if mb is not None and not (mb >= 0 and math.isfinite(mb)):
+            raise ValueError(f"encoder_cache_mb={self.encoder_cache_mb}: must be a number >= 0 (or unset)")
+        if not isinstance(self.preprocess_workers, int) or self.preprocess_workers < 1:
+            raise ValueError(f"preprocess_workers={self.preprocess_workers!r}: must be an integer >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r}: use auto, float32, bfloat16 or float16")
         if self.load_format not in ("auto", "dummy"):
@@ -89,6 +124,10 @@ class EngineArgs:
         return self.distributed or self.parallel_config.world_size > 1
 
     @property
+    def snapshot_points(self) -> frozenset[str]:
+        return frozenset(p.strip() for p in self.prefix_cache_snapshot_points.split(",") if p.strip())
+
+    @property
     def torch_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -103,6 +142,15 @@ class EngineArgs:
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
 
+    @property
+    def load_quantization(self) -> str:
+        """What the loader does with fp8 (``glm5.weights.load_weights(quantization=...)``): ``auto`` keeps the
+        checkpoint's fp8 on CUDA but dequantizes on the CPU, which has no fp8 GEMM (``fp8`` keeps fp8 storage
+        there too, run by the reference path that dequantizes per call)."""
+        if self.quantization == "auto" and self.torch_device.type != "cuda":
+            return "none"
+        return self.quantization
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EngineArgs":
         """Build from string-valued settings (Triton ``config.pbtxt`` parameters), coercing by field type."""
@@ -115,9 +163,11 @@ class EngineArgs:
             ftype = str(fields[name].type)
             if isinstance(raw, str):
                 s = raw.strip()
-                if s == "" or s.lower() == "none":
-                    kwargs[name] = None
-                    continue
+                optional = "None" in ftype
+                if s == "" or (optional and s.lower() == "none"):
+                    if optional:
+                        kwargs[name] = None
+                    continue  # empty: the engine default ("none" is a value of non-optional settings)
                 try:
                     if ftype.startswith("int"):
                         kwargs[name] = int(s)

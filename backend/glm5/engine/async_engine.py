@@ -4,20 +4,33 @@ All engine state is touched only by the loop thread; callers talk to it through 
 so ``add_request`` and ``abort`` are safe from any thread (Triton's stub threads, asyncio loops).
 ``add_request`` still validates synchronously — the caller gets the ValueError for a bad request
 at once instead of a failed stream.
+
+Nothing request-proportional runs on the loop thread: ``add_request`` first runs
+:meth:`LLMEngine.prepare` (chat template, tokenizer, media decoding, tensor validation, media
+hashing) on a pool of ``preprocess_workers`` threads, so at most that many requests are being
+decoded at a time and a 10 MB prompt or a long video delays only its own request; the loop thread
+then only queues the prepared request.
+
+Failures: a request that fails inside a step (isolated by :class:`LLMEngine`) ends its stream with
+:class:`~glm5.engine.errors.RequestFailedError`. An unrecoverable error ends the loop: every stream
+gets :class:`~glm5.engine.errors.EngineDeadError`, every later call raises it, and the callbacks
+registered with :meth:`AsyncLLMEngine.on_dead` run (the Triton backend takes the server down there).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import torch
 
 from glm5.engine.args import EngineArgs
+from glm5.engine.errors import EngineDeadError, RequestFailedError
 from glm5.engine.llm_engine import LLMEngine
 from glm5.engine.outputs import EngineStats, PromptInput, RequestOutput
 from glm5.sampling_params import SamplingParams
@@ -106,6 +119,8 @@ def _wake_future(fut: asyncio.Future) -> None:
 class AsyncLLMEngine:
     def __init__(self, args: EngineArgs, engine: LLMEngine | None = None):
         self.engine = engine or LLMEngine(args)
+        workers = getattr(args, "preprocess_workers", None) or 2
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="glm5-prepare")
         self._cmds: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
@@ -113,17 +128,39 @@ class AsyncLLMEngine:
         self._stop = threading.Event()
         self._stats = self.engine.stats()
         self._error: BaseException | None = None
+        self._dead_callbacks: list[Callable[[BaseException], None]] = []
         self._thread = threading.Thread(target=self._loop, name="glm5-engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ public, thread-safe
     def add_request(self, request_id: str, prompt: PromptInput | str | list[int],
                     params: SamplingParams | None = None) -> RequestStream:
+        """Prepare the prompt on the worker pool, then queue it; raises ValueError for a bad request.
+
+        Blocks the calling thread (not the engine loop) while the prompt is prepared."""
+        self._check_alive()
+        if request_id in self._streams:  # fast path; the loop thread re-checks authoritatively
+            raise ValueError(f"request id {request_id!r} is already in flight; use a unique id")
+        try:
+            fut = self._pool.submit(self.engine.prepare, prompt, params)
+        except RuntimeError:  # the pool is shut down
+            self._check_alive()
+            raise
+        try:
+            prepared, params = fut.result()
+        except concurrent.futures.CancelledError:  # the pool was shut down (engine death or shutdown)
+            self._check_alive()
+            raise RuntimeError("the engine was shut down before this request was prepared") from None
+        finally:
+            # a rejected prompt's exception holds this frame (and so the prompt) in its traceback, and the
+            # future holds the exception: drop the future so that no cycle keeps a 10 MB prompt alive
+            # until the next garbage collection
+            del fut
         self._check_alive()
         done = threading.Event()
         box: dict = {}
         stream = RequestStream(request_id)
-        self._cmds.put(("add", request_id, prompt, params, stream, done, box))
+        self._cmds.put(("add", request_id, prepared, params, stream, done, box))
         self._wake.set()
         # The loop thread answers every command it takes; if it stops first (shutdown or a crash)
         # the command is never taken, so wait in slices and re-check instead of blocking forever.
@@ -135,9 +172,23 @@ class AsyncLLMEngine:
             raise box["error"]
         return stream
 
+    @property
+    def error(self) -> BaseException | None:
+        """The unrecoverable error that ended the loop (None while it serves)."""
+        return self._error
+
+    def on_dead(self, callback: Callable[[BaseException], None]) -> None:
+        """Call ``callback(error)`` (from the loop thread) when the engine dies; at once if it already has."""
+        with self._lock:
+            if self._error is None:
+                self._dead_callbacks.append(callback)
+                return
+        callback(self._error)
+
     def _check_alive(self) -> None:
         if self._error is not None:
-            raise RuntimeError(f"engine loop died: {self._error!r}")
+            raise EngineDeadError(f"the engine is dead after an unrecoverable error ({self._error}); restart "
+                                  "the server") from self._error
         if self._stop.is_set():
             raise RuntimeError("the engine was shut down; create a new AsyncLLMEngine to serve more requests")
 
@@ -153,6 +204,7 @@ class AsyncLLMEngine:
         own resources (a distributed engine's worker processes)."""
         self._stop.set()
         self._wake.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self._thread.join(timeout=30)
         stop = getattr(self.engine, "shutdown", None)  # engines handed in by tests may not have one
         if stop is not None:
@@ -161,11 +213,11 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------------ loop thread
     def _handle(self, cmd) -> None:
         if cmd[0] == "add":
-            _, rid, prompt, params, stream, done, box = cmd
+            _, rid, prepared, params, stream, done, box = cmd
             try:
                 if rid in self._streams:
                     raise ValueError(f"request id {rid!r} is already in flight; use a unique id")
-                self.engine.add_request(rid, prompt, params)
+                self.engine.add_prepared(rid, prepared, params)
                 self._streams[rid] = stream
             except Exception as e:  # reported to the caller, engine keeps serving
                 box["error"] = e
@@ -173,6 +225,18 @@ class AsyncLLMEngine:
                 done.set()
         elif cmd[0] == "abort":
             self.engine.abort(cmd[1])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.error is not None:
+                stream._put(RequestFailedError(f"the engine failed this request: {out.error}"))
+            else:
+                stream._put(out)
+            if out.finished:
+                del self._streams[out.request_id]
 
     def _loop(self) -> None:
         device = getattr(self.engine, "device", None)
@@ -190,19 +254,25 @@ class AsyncLLMEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
-                    stream = self._streams.get(out.request_id)
-                    if stream is None:
-                        continue
-                    stream._put(out)
-                    if out.finished:
-                        del self._streams[out.request_id]
+                self._deliver(self.engine.step())
                 self._stats = self.engine.stats()
         except BaseException as e:  # surface to every waiting stream instead of hanging them
-            logger.exception("engine loop failed")
-            self._error = e
+            logger.exception("engine loop failed; the engine serves no more requests")
+            err = e if isinstance(e, EngineDeadError) else EngineDeadError(f"engine loop failed: {e!r}")
+            if err is not e:
+                err.__cause__ = e
+            with self._lock:
+                self._error = err
+                callbacks, self._dead_callbacks = self._dead_callbacks, []
             for s in self._streams.values():
-                s._put(RuntimeError(f"engine loop failed: {e!r}"))
+                s._put(err)
+            self._streams.clear()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            for cb in callbacks:
+                try:
+                    cb(err)
+                except Exception:  # noqa: BLE001 (one callback must not stop the others)
+                    logger.exception("engine-death callback failed")
         finally:
             # Abort what is left and hand each stream its final "abort" output (collected by a
             # step that schedules nothing, since every request is finished), then end it.
@@ -210,10 +280,7 @@ class AsyncLLMEngine:
                 for rid in list(self._streams):
                     self.engine.abort(rid)
                 try:
-                    for out in self.engine.step():
-                        stream = self._streams.get(out.request_id)
-                        if stream is not None:
-                            stream._put(out)
+                    self._deliver(self.engine.step())
                 except Exception:  # the final outputs are a courtesy; ending the streams is not
                     logger.exception("could not deliver final abort outputs at shutdown")
                 self._stats = self.engine.stats()

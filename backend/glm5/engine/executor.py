@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from glm5.cache.hybrid_cache import CacheConfig
+from glm5.cache.snapshot_pool import StateSnapshotPool
 from glm5.config import ModelConfig
 from glm5.distributed import ParallelConfig, ParallelContext, Ranks
 from glm5.distributed.parallel_state import (abort_process_groups, build_context, destroy_parallel_context,
@@ -199,13 +200,15 @@ def build_rank_runner(setup: WorkerSetup, cfg: ModelConfig, par: ParallelContext
     dtype = getattr(torch, setup.dtype)
     sharding = WeightSharding(cfg, par.config, par.ranks)
     t0 = time.perf_counter()
+    quant = args.load_quantization
     if args.load_format == "dummy":
         from glm5.weights import dummy_weights
         weights = dummy_weights(cfg, device, dtype, seed=0, include_mtp=args.num_speculative_tokens > 0,
-                                sharding=sharding, fp8=getattr(args, "quantization", None) == "fp8")
+                                sharding=sharding, fp8=quant == "fp8")
     else:
         weights = load_weights(args.model, cfg, device=device, dtype=dtype, progress=args.load_progress,
-                               allow_missing_mtp=args.num_speculative_tokens == 0, sharding=sharding)
+                               allow_missing_mtp=args.num_speculative_tokens == 0, quantization=quant,
+                               sharding=sharding)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     load_s = time.perf_counter() - t0
@@ -248,7 +251,8 @@ class DistributedRunner(ModelRunner):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def start(cls, args: Any, cfg: ModelConfig, cache_cfg: CacheConfig, max_model_len: int) -> "DistributedRunner":
+    def start(cls, args: Any, cfg: ModelConfig, cache_cfg: CacheConfig, max_model_len: int,
+              encoder_cache_bytes: int = 64 * 2**20) -> "DistributedRunner":
         """Host the rendezvous, start this node's workers, join, load rank 0's shard, wait for every rank."""
         import torch.distributed as dist
 
@@ -288,7 +292,8 @@ class DistributedRunner(ModelRunner):
         error = None
         runner = None
         try:
-            runner = build_rank_runner(setup, cfg, par, device, runner_cls=cls, workers=workers)
+            runner = build_rank_runner(setup, cfg, par, device, runner_cls=cls, workers=workers,
+                                       encoder_cache_bytes=encoder_cache_bytes)
         except Exception as e:  # reported with the workers' outcomes below
             error = f"{type(e).__name__}: {e}"
             logger.exception("rank 0 failed to load its shard")
@@ -382,10 +387,26 @@ class DistributedRunner(ModelRunner):
     def _apply_local(self, op: tuple) -> None:
         if op[0] == "reset_slot":
             ModelRunner.reset_slot(self, op[1])
+        elif op[0] == "snapshot_move":
+            StateSnapshotPool.move(self.snapshot_pool, *op[2:])
         elif op[0] == "rebalance":
             ModelRunner.rebalance_experts(self)
         else:
             raise AssertionError(f"not a queued operation: {op[0]}")
+
+    def queue(self, op: tuple) -> None:
+        """A cache mutation for every rank: applied here and on the workers, in order, before the next step."""
+        self._pending.append(op)
+
+    # the prefix cache's mutations (slot resets, snapshot copies) replayed on every rank
+    snapshot_pool: StateSnapshotPool | None = None
+
+    def kv_cache_view(self) -> "MirroredCache":
+        return MirroredCache(self)
+
+    @property
+    def snapshot_pool_cls(self) -> type[StateSnapshotPool]:
+        return MirroredSnapshotPool
 
     def _guard(self, fn, *a: Any) -> Any:
         try:
@@ -399,7 +420,7 @@ class DistributedRunner(ModelRunner):
 
     # ------------------------------------------------------------------ the ModelRunner interface
     def reset_slot(self, slot: int) -> None:
-        self._pending.append(("reset_slot", slot))
+        self.queue(("reset_slot", slot))
 
     def execute(self, sched: SchedulerOutput) -> tuple[ForwardBatch, ModelOutput, list[tuple[int, int, int]]]:
         rows = self._decode_rows(sched) if self.batched_decode else None
@@ -487,6 +508,33 @@ class DistributedRunner(ModelRunner):
         destroy_parallel_context(self.par)
         if self._finalizer is not None:
             self._finalizer.detach()
+
+
+class MirroredCache:
+    """The driver's cache as the KV-cache manager sees it: reads pass through to rank 0's cache; a slot reset is
+    queued for every rank (:meth:`DistributedRunner.queue`)."""
+
+    def __init__(self, runner: DistributedRunner):
+        self.runner = runner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner.cache, name)
+
+    def reset_slot(self, slot: int) -> None:
+        self.runner.reset_slot(slot)
+
+
+class MirroredSnapshotPool(StateSnapshotPool):
+    """The prefix cache's snapshot pool on the driver: bookkeeping here, every data copy queued for every rank
+    (each rank keeps a pool of the same capacity over its own heads' states; workers make theirs on first use)."""
+
+    def __init__(self, cache: MirroredCache, num_snapshots: int):
+        super().__init__(cache, num_snapshots)
+        self.runner = cache.runner
+        self.runner.snapshot_pool = self
+
+    def move(self, i: int, state_slot: int, partial_block: int | None, rows: int, to_snapshot: bool) -> None:
+        self.runner.queue(("snapshot_move", self.capacity, i, state_slot, partial_block, rows, to_snapshot))
 
 
 def _is_comm_error(e: BaseException) -> bool:

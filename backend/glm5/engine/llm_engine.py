@@ -1,9 +1,17 @@
 """The synchronous engine: add requests, step, read outputs.
 
 ``LLMEngine`` ties the pieces together — prompt processing (tokenizer, chat template, multimodal
-placeholders), the scheduler, the model runner, the sampler and per-request incremental
-detokenisation with stop handling. It is single-threaded by design; :mod:`glm5.engine.async_engine`
-runs it on its own thread for the Triton backend.
+placeholders; :mod:`glm5.engine.prompt_processor`), the scheduler, the model runner, the sampler and
+per-request incremental detokenisation with stop handling. It is single-threaded by design;
+:mod:`glm5.engine.async_engine` runs it on its own thread for the Triton backend and prepares prompts
+on a worker pool (:meth:`LLMEngine.prepare` is the thread-safe part, :meth:`LLMEngine.add_prepared`
+the engine-thread part).
+
+Fault isolation: when a step raises, the caches of every request in it may be half-written (a layer
+failed after others ran), so those requests are evicted (cache freed, recomputed from their tokens
+later, as after a preemption) and re-run in halves until the failing request is alone; it gets a
+final output with ``finish_reason="error"`` and the others continue with identical tokens. A device
+failure (:func:`glm5.engine.errors.is_unrecoverable`) raises :class:`EngineDeadError` instead.
 """
 
 from __future__ import annotations
@@ -11,26 +19,36 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from glm5.cache.allocator import BlockAllocator, SlotAllocator
 from glm5.cache.hybrid_cache import CacheConfig, check_block_size
+from glm5.cache.memory import CacheMemoryPlan, plan_cache_memory
+from glm5.cache.snapshot_pool import StateSnapshotPool
 from glm5.config import ModelConfig
 from glm5.engine.args import EngineArgs
+from glm5.engine.errors import EngineDeadError, is_unrecoverable
+from glm5.engine.faults import FaultInjection
+from glm5.engine.kv_cache_manager import KVCacheManager, PrefixCacheConfig
+from glm5.engine.media_items import describe_media
 from glm5.engine.model_runner import ModelRunner
 from glm5.engine.outputs import CompletionOutput, EngineStats, PromptInput, RequestOutput
 from glm5.engine.prompt_logprobs import score as score_prompt_logprobs
-from glm5.engine.scheduler import Scheduler
-from glm5.engine.sequence import MultiModalData, Sequence
+from glm5.engine.prompt_processor import PreparedPrompt, PromptProcessor, PromptTooLongError
+from glm5.engine.scheduler import Scheduler, SchedulerOutput
+from glm5.engine.sequence import MultiModalData, Sequence, SeqStatus
 from glm5.engine.spec_decode import SpecStats, draw, greedy_verify, rejection_sample, target_distributions
 from glm5.detokenizer import RequestOutputProcessor
 from glm5.sampler import Sampler, TokenLogprobs, bad_word_token_ids, make_generator
 from glm5.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+#: Share of ``cache_memory_gb`` given to the vision embedding cache unless ``encoder_cache_mb`` is set.
+ENCODER_CACHE_SHARE = 0.05
 
 
 class _NoTextTokenizer:
@@ -68,19 +86,28 @@ class LLMEngine:
         text = self.model_config.text
         check_block_size(args.block_size, text.index_kpool)
         if weights is None and not args.uses_executor:
+            quant = args.load_quantization
+            if quant != args.quantization:
+                logger.info("quantization=auto on %s: fp8 checkpoint weights are dequantized to %s at load (no fp8 "
+                            "GEMM here; quantization=fp8 keeps fp8 storage and dequantizes per call)", self.device,
+                            self.dtype)
             if args.load_format == "dummy":
                 from glm5.weights import dummy_weights
                 weights = dummy_weights(self.model_config, self.device, self.dtype,
-                                        include_mtp=args.num_speculative_tokens > 0,
-                                        fp8=getattr(args, "quantization", None) == "fp8")
+                                        include_mtp=args.num_speculative_tokens > 0, fp8=quant == "fp8")
             else:
                 weights = load_weights(args.model, self.model_config, device=self.device, dtype=self.dtype,
-                                       progress=args.load_progress, allow_missing_mtp=args.num_speculative_tokens == 0)
+                                       progress=args.load_progress, allow_missing_mtp=args.num_speculative_tokens == 0,
+                                       quantization=quant)
         elif weights is not None and args.uses_executor:
             raise ValueError("weights cannot be handed to a distributed engine (each rank loads its own shard from "
                              "args.model); drop the weights argument or run with tensor_parallel_size=1")
         self.tokenizer = self._load_tokenizer(args.model)
-        cache_cfg = CacheConfig(block_size=args.block_size, num_blocks=self._num_blocks(args),
+        use_mtp = args.num_speculative_tokens > 0
+        mla_layers = list(text.mla_layer_ids) + (text.mtp_layer_ids[:1] if use_mtp else [])
+        self.memory_plan = self._plan_memory(args, mla_layers)
+        logger.info("%s", self.memory_plan.describe())
+        cache_cfg = CacheConfig(block_size=args.block_size, num_blocks=self.memory_plan.num_blocks,
                                 num_state_slots=args.max_num_seqs)
         # A request can never hold more tokens than the whole cache: cap the length there, so that a
         # too-long prompt is rejected at admission and generation ends with "length", instead of the
@@ -90,28 +117,38 @@ class LLMEngine:
         if self.max_model_len < args.max_model_len:
             logger.warning("max_model_len %d exceeds the cache (%d blocks x %d tokens): capped to %d",
                            args.max_model_len, cache_cfg.num_blocks, cache_cfg.block_size, self.max_model_len)
+        encoder_bytes = self.memory_plan.bytes_of("vision_encoder_cache")
         if args.uses_executor:  # one process per device; this one is rank 0 (glm5.engine.executor)
             from glm5.engine.executor import DistributedRunner
-            self.runner = DistributedRunner.start(args, self.model_config, cache_cfg, self.max_model_len)
+            self.runner = DistributedRunner.start(args, self.model_config, cache_cfg, self.max_model_len,
+                                                  encoder_cache_bytes=encoder_bytes)
             self.device = self.runner.device
         else:
             self.runner = ModelRunner(self.model_config, weights, cache_cfg, self.device, self.dtype,
-                                      use_mtp=args.num_speculative_tokens > 0, index_fp8=args.index_cache == "fp8",
-                                      max_model_len=self.max_model_len, decode_path=args.decode_path)
+                                      use_mtp=use_mtp, index_fp8=args.index_cache == "fp8",
+                                      max_model_len=self.max_model_len, decode_path=args.decode_path,
+                                      encoder_cache_bytes=encoder_bytes)
         self._log_backends()
         if self.device.type == "cuda" and not args.enforce_eager:
             self.runner.capture_cuda_graphs(args.cuda_graph_max_batch or args.max_num_seqs)
         self.spec_stats = SpecStats(args.num_speculative_tokens) if args.num_speculative_tokens else None
-        self.blocks = BlockAllocator(cache_cfg.num_blocks)
-        self.slots = SlotAllocator(cache_cfg.num_state_slots)
-        self.scheduler = Scheduler(self.blocks, self.slots, args.block_size, args.max_num_seqs,
-                                   args.max_num_batched_tokens, on_slot_allocated=self.runner.reset_slot)
+        # cache mutations go through the runner's view: a distributed runner replays them on every rank
+        self.kv = KVCacheManager(self.runner.kv_cache_view(), cache_cfg.num_blocks, cache_cfg.num_state_slots,
+                                 self._prefix_cache_config(args), pool_cls=self.runner.snapshot_pool_cls)
+        self.blocks, self.slots = self.kv.blocks, self.kv.slots
+        self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         self._requests: dict[str, _RequestState] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._order = itertools.count()
-        self._mm_processor = None
+        self.prompts = PromptProcessor(self.model_config, self.tokenizer, args.model, args.media_caps,
+                                       self.max_model_len)
+        self.faults = FaultInjection.from_dict(args.test_faults)
+        if self.faults is not None:
+            logger.warning("test_faults is set (%s): steps will fail on purpose; never use this in production",
+                           self.faults)
         self.aborted_total = 0
+        self.failed_total = 0
         self.finished_total = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -121,11 +158,27 @@ class LLMEngine:
     def _log_backends(self) -> None:
         from glm5.layers import backends as b
         dev = self.device
-        logger.info("backends on %s %s: kda=%s prefill_attn=%s decode_attn=%s index=%s moe=%s mhc=%s sampling=%s "
-                    "decode_path=%s", dev, self.dtype, b.kda_backend(dev, self.dtype), b.attn_backend(dev),
+        logger.info("backends on %s %s: kda=%s prefill_attn=%s decode_attn=%s index=%s moe=%s mhc=%s fp8_linear=%s "
+                    "sampling=%s decode_path=%s", dev, self.dtype, b.kda_backend(dev, self.dtype), b.attn_backend(dev),
                     b.decode_attn_backend(dev, self.dtype, self.model_config.text.kv_lora_rank),
                     b.index_backend(dev, self.dtype), b.moe_backend(dev, self.dtype), b.mhc_backend(dev, self.dtype),
-                    b.sampling_backend(dev), "batched" if self.runner.batched_decode else "per_request")
+                    b.fp8_linear_backend(dev, self.dtype), b.sampling_backend(dev),
+                    "batched" if self.runner.batched_decode else "per_request")
+
+    def _prefix_cache_config(self, args: EngineArgs) -> PrefixCacheConfig | None:
+        """Prefix caching settings; the snapshot pool's size comes from the memory plan."""
+        if not args.enable_prefix_caching:
+            return None
+        n = self.memory_plan.units_of("prefix_cache_snapshots")
+        per = StateSnapshotPool.bytes_per_snapshot(self.runner.cache)
+        logger.info("prefix caching on: %d state snapshots x %.2f MiB (%.2f GiB), checkpoint interval %s",
+                    n, per / 2**20, n * per / 2**30,
+                    f"{args.prefix_cache_checkpoint_interval} blocks" if args.prefix_cache_checkpoint_interval else "off")
+        # lookahead: the MTP layer's cache row at p is computed from token p+1 (glm5.cache.prefix_keys);
+        # junctions: a split that saves later requests less than a block is not worth its extra step
+        return PrefixCacheConfig(num_snapshots=n, lookahead=1 if self.runner.mtp is not None else 0,
+                                 checkpoint_interval=args.prefix_cache_checkpoint_interval,
+                                 points=args.snapshot_points, min_junction_gain=args.block_size)
 
     @staticmethod
     def _load_tokenizer(path: str):
@@ -136,92 +189,33 @@ class LLMEngine:
         logger.warning("no tokenizer in %s: only token-id prompts work and no text is produced", path)
         return None
 
-    def _num_blocks(self, args: EngineArgs) -> int:
-        if args.num_cache_blocks is not None:
-            return args.num_cache_blocks
-        t = self.model_config.text
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        per_block = len(t.mla_layer_ids) * elem * args.block_size * (
-            t.kv_lora_rank + t.index_head_dim / t.index_kpool)
-        n = int(args.cache_memory_gb * 2**30 // max(per_block, 1))
-        needed = -(-args.max_model_len // args.block_size)
-        return max(n, needed)
+    def _plan_memory(self, args: EngineArgs, mla_layers: list[int]) -> CacheMemoryPlan:
+        """Every cache in ``cache_memory_gb`` (glm5.cache.memory); raises CacheBudgetError when it does not fit."""
+        budget = int(args.cache_memory_gb * 2**30)
+        encoder = (args.encoder_cache_mb * 2**20 if args.encoder_cache_mb is not None
+                   else budget * ENCODER_CACHE_SHARE) if self.model_config.vision is not None else 0
+        snap = args.prefix_cache_snapshot_memory_gb
+        free = None
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+        return plan_cache_memory(self.model_config.text, dtype=self.dtype, block_size=args.block_size,
+                                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                                 budget_bytes=budget, mla_layers=mla_layers, index_fp8=args.index_cache == "fp8",
+                                 encoder_cache_bytes=int(encoder), num_blocks=args.num_cache_blocks,
+                                 device_free_bytes=free, prefix_caching=args.enable_prefix_caching,
+                                 snapshot_budget_bytes=None if snap is None else int(snap * 2**30))
 
     @property
     def mm_processor(self):
-        if self._mm_processor is None:
-            from glm5.multimodal import MediaCaps, MultiModalProcessor
-            caps = MediaCaps.from_dict(self.args.media_caps) if self.args.media_caps else None
-            self._mm_processor = MultiModalProcessor.from_checkpoint(self.args.model, caps=caps,
-                                                                     tokenizer=self.tokenizer)
-        return self._mm_processor
+        return self.prompts.mm_processor
 
     # ------------------------------------------------------------------ requests
-    def _process_prompt(self, prompt: PromptInput) -> tuple[list[int], MultiModalData | None, str | None]:
-        given = [x is not None for x in (prompt.text, prompt.token_ids, prompt.messages)]
-        if prompt.mm_inputs is not None:
-            return self._from_preprocessed(prompt.mm_inputs)
-        if sum(given) != 1:
-            raise ValueError("a prompt needs exactly one of text, token_ids or messages")
-        if prompt.token_ids is not None:
-            if prompt.images or prompt.videos:
-                raise ValueError("images/videos need a text or chat prompt (placeholders are expanded from text)")
-            ids = [int(t) for t in prompt.token_ids]
-            vocab = self.model_config.text.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-            return ids, None, None
-        if self.tokenizer is None:
-            raise ValueError("this checkpoint has no tokenizer: send prompt token ids")
-        if prompt.messages is not None:
-            from glm5.tokenizer import render_chat
-            text = render_chat(self.tokenizer, prompt.messages)
-        else:
-            text = prompt.text
-        if prompt.images or prompt.videos:
-            processed = self.mm_processor.process(text, images=prompt.images, videos=prompt.videos)
-            return (*self._from_processed(processed), text)
-        return self.tokenizer.encode(text, add_special_tokens=False), None, text
+    def prepare(self, prompt: PromptInput | str | list[int], params: SamplingParams | None = None
+                ) -> tuple[PreparedPrompt, SamplingParams]:
+        """Validate the sampling parameters and tokenize / decode / check the prompt.
 
-    def _placeholder_positions(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.model_config
-        is_img = ids == c.image_token_id
-        in_video = torch.cumsum((ids == c.video_start_token_id).long(), 0) > torch.cumsum(
-            (ids == c.video_end_token_id).long(), 0)
-        return (is_img & ~in_video).nonzero().squeeze(1), (is_img & in_video).nonzero().squeeze(1)
-
-    def _mm_from_tensors(self, ids: list[int], pv, igrid, pvv, vgrid) -> MultiModalData | None:
-        def t(x, dtype):
-            if x is None or (hasattr(x, "shape") and x.shape[0] == 0):
-                return None
-            return torch.as_tensor(x).to(dtype)
-        pv, pvv = t(pv, torch.float32), t(pvv, torch.float32)
-        if pv is None and pvv is None:
-            return None
-        img_pos, vid_pos = self._placeholder_positions(torch.tensor(ids))
-        return MultiModalData(pixel_values=pv, image_grid_thw=None if pv is None else t(igrid, torch.long),
-                              pixel_values_videos=pvv, video_grid_thw=None if pvv is None else t(vgrid, torch.long),
-                              image_positions=img_pos, video_positions=vid_pos)
-
-    def _from_processed(self, p) -> tuple[list[int], MultiModalData | None]:
-        ids = [int(x) for x in p.token_ids]
-        return ids, self._mm_from_tensors(ids, p.pixel_values, p.image_grid_thw, p.pixel_values_videos,
-                                          p.video_grid_thw)
-
-    def _from_preprocessed(self, d: dict) -> tuple[list[int], MultiModalData | None, str | None]:
-        if "input_ids" not in d:
-            raise ValueError("preprocessed inputs need 'input_ids'")
-        ids = [int(x) for x in torch.as_tensor(d["input_ids"]).flatten().tolist()]
-        mm = self._mm_from_tensors(ids, d.get("pixel_values"), d.get("image_grid_thw"),
-                                   d.get("pixel_values_videos"), d.get("video_grid_thw"))
-        return ids, mm, d.get("prompt_text")
-
-    def add_request(self, request_id: str, prompt: PromptInput | str | list[int],
-                    params: SamplingParams | None = None) -> None:
-        """Validate and queue a request; raises ValueError (incl. SamplingParamsError/MediaError) on bad input."""
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already running; use a unique id")
+        Thread-safe and free of engine state: the async engine calls it on its worker pool. Raises
+        ValueError (incl. SamplingParamsError / MediaError) on bad input."""
         params = params or SamplingParams()
         params.validate(vocab_size=self.model_config.text.vocab_size)
         if params.num_sequences > 1:
@@ -231,8 +225,21 @@ class LLMEngine:
             prompt = PromptInput(text=prompt)
         elif isinstance(prompt, list):
             prompt = PromptInput(token_ids=prompt)
-        processed = self._process_prompt(prompt)
-        ids, mm, prompt_text = processed if len(processed) == 3 else (*processed, None)
+        return self.prompts.process(prompt), params
+
+    def add_request(self, request_id: str, prompt: PromptInput | str | list[int],
+                    params: SamplingParams | None = None) -> None:
+        """Validate and queue a request; raises ValueError (incl. SamplingParamsError/MediaError) on bad input."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already running; use a unique id")
+        prepared, params = self.prepare(prompt, params)
+        self.add_prepared(request_id, prepared, params)
+
+    def add_prepared(self, request_id: str, prepared: PreparedPrompt, params: SamplingParams) -> None:
+        """Queue a request whose prompt :meth:`prepare` made (engine thread)."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already running; use a unique id")
+        ids, mm, prompt_text = prepared.token_ids, prepared.mm, prepared.prompt_text
         if not ids:
             raise ValueError("the prompt is empty: send at least one token")
         if params.truncate_prompt_tokens is not None:
@@ -242,9 +249,11 @@ class LLMEngine:
             keep = self.max_model_len - 1 if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
             ids = ids[-keep:]
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len={self.max_model_len} leaves no room "
-                             "to generate; shorten the prompt or raise max_model_len (and the cache: num_cache_blocks "
-                             "/ cache_memory_gb)")
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens but max_model_len={self.max_model_len} leaves no room to generate; "
+                "shorten the prompt or raise max_model_len (and the cache: num_cache_blocks / cache_memory_gb)")
+        if mm is not None and mm.item_hashes is None and self.model_config.vision is not None:
+            describe_media(mm, self.model_config.vision.spatial_merge_size ** 2)  # prepared elsewhere than prepare()
         seq = Sequence(request_id=request_id, prompt_token_ids=ids, params=params,
                        eos_token_ids=self.eos_token_ids, arrival_order=next(self._order), mm=mm)
         if params.seed is not None:
@@ -285,14 +294,89 @@ class LLMEngine:
                              finish_reason=s.finish_reason if finished else None,
                              num_prompt_tokens=s.num_prompt_tokens, num_output_tokens=len(s.output_token_ids),
                              logprobs=logprobs, prompt_text=st.prompt_text, metrics=s.metrics,
-                             stop_reason=s.stop_reason, prompt_logprobs=prompt_lps)
+                             stop_reason=s.stop_reason, prompt_logprobs=prompt_lps,
+                             num_cached_tokens=s.num_cached_tokens or 0)
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; returns the new outputs. A failing request is isolated and ends with
+        ``finish_reason="error"``; an unrecoverable device error raises :class:`EngineDeadError`."""
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
-        if not sched.chunks:
-            return outputs
+        if sched.chunks:
+            self._run_isolated(sched, outputs)
+        return outputs
+
+    def _run_isolated(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> bool:
+        """Run a step; on failure evict its requests and bisect them (module docstring). True if it ran."""
+        try:
+            self._run_step(sched, outputs)
+            return True
+        except Exception as exc:  # noqa: BLE001 (classified below; nothing is swallowed)
+            if is_unrecoverable(exc):
+                raise EngineDeadError(f"unrecoverable device error in an engine step: {exc}") from exc
+            self._isolate(self._evict(sched), exc, outputs)
+            return False
+
+    def _evict(self, sched: SchedulerOutput) -> list[Sequence]:
+        """Free the caches of a failed step's unfinished requests and take them off the queues."""
+        seqs = []
+        for c in sched.chunks:
+            seq = c.seq
+            if seq.is_finished or seq.request_id not in self._requests:
+                continue
+            self.scheduler.evict(seq)
+            seqs.append(seq)
+        return sorted(seqs, key=lambda s: s.arrival_order)
+
+    def _isolate(self, seqs: list[Sequence], exc: Exception, outputs: list[RequestOutput]) -> None:
+        if not seqs:
+            return
+        if len(seqs) == 1:
+            self._fail(seqs[0], exc, outputs)
+            return
+        logger.warning("an engine step of %d requests failed (%s: %s); re-running them in halves to find the "
+                       "failing request", len(seqs), type(exc).__name__, exc)
+        mid = len(seqs) // 2
+        for part in (seqs[:mid], seqs[mid:]):
+            self._trial(part, outputs)
+
+    def _trial(self, part: list[Sequence], outputs: list[RequestOutput]) -> None:
+        """Run ``part`` alone (everyone else stays queued, caches untouched) until each of its requests has
+        caught up and sampled a token, finished, or failed; then put the queues back together."""
+        sched = self.scheduler
+        saved_running, saved_waiting = sched.running, sched.waiting
+        sched.running, sched.waiting = [], deque(part)
+        pending = {s.request_id for s in part}
+        try:
+            while pending:
+                out = sched.schedule()
+                if not out.chunks:
+                    break
+                sampling = {c.seq.request_id for c in out.chunks if c.samples}  # before the step advances them
+                if self._run_isolated(out, outputs):
+                    pending -= sampling
+                else:
+                    pending -= {c.seq.request_id for c in out.chunks}  # settled by the nested bisection
+                pending &= set(self._requests)
+        finally:
+            sched.running = saved_running + sched.running
+            sched.waiting = deque([*sched.waiting, *saved_waiting])
+
+    def _fail(self, seq: Sequence, exc: Exception, outputs: list[RequestOutput]) -> None:
+        st = self._requests.pop(seq.request_id)
+        self.scheduler.finish(seq, "error")
+        self.failed_total += 1
+        logger.error("request %s failed in an engine step and was removed; the other requests go on (%s: %s)",
+                     seq.request_id, type(exc).__name__, exc)
+        out = self._output(st, [], "", True)
+        out.error = f"{type(exc).__name__}: {exc}"
+        outputs.append(out)
+
+    def _run_step(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
+        """Forward, sample, record tokens (appended to ``outputs`` as they are made), MTP proposals."""
         batch, model_out, sample_idx = self.runner.execute(sched)
+        if self.faults is not None:
+            self.faults.check(sched)
         for ci, row, n, p0 in batch.prompt_logprob_rows:
             score_prompt_logprobs(sched.chunks[ci].seq, model_out.logits[row:row + n], p0)
         valid_rows: dict[int, int] = {}
@@ -317,14 +401,39 @@ class LLMEngine:
                 new_tokens[ci] = (self._verify(sched.chunks[ci], batch, model_out.logits[row:row + n]), [])
                 valid_rows[ci] += len(new_tokens[ci][0]) - 1
         now = time.time()
+        finished: list[Sequence] = []
         for ci, c in enumerate(sched.chunks):
             c.seq.draft_tokens, c.seq.draft_probs = [], None
             if ci in new_tokens:
                 toks, lps = new_tokens[ci]
                 outputs.append(self._append_tokens(c.seq, toks, lps, now))
-        if self.runner.mtp is not None:
-            self._propose(sched, batch, model_out.hidden, valid_rows, {ci for ci, _, _ in sample_idx})
-        return outputs
+                if c.seq.is_finished:
+                    finished.append(c.seq)
+                    valid_rows[ci] -= self._trim_to_output(c, batch, valid_rows[ci])
+        complete = False
+        try:
+            if self.runner.mtp is not None:
+                self._propose(sched, batch, model_out.hidden, valid_rows, {ci for ci, _, _ in sample_idx})
+            # the step's rows are final (MTP rows included): share its full blocks, take planned snapshots,
+            # then release what finished (with a snapshot at its end: the next chat turn starts there)
+            for c in sched.chunks:
+                self.kv.after_step(c.seq)
+            complete = True
+        finally:  # a failed step still frees what finished, but leaves no snapshot of a half-updated state
+            for seq in finished:
+                self.scheduler.release_finished(seq, snapshot=complete)
+
+    def _trim_to_output(self, chunk, batch, valid_rows: int) -> int:
+        """A verification chunk can accept more rows than the finished output keeps (a stop token or stop
+        string inside the accepted drafts): roll its states back to the last kept token, so that the
+        end-of-request snapshot holds exactly the request's tokens. Returns the rows dropped."""
+        seq = chunk.seq
+        excess = seq.num_computed_tokens - (seq.num_tokens - 1)
+        if excess <= 0 or not self.kv.enabled or not chunk.num_drafts:
+            return 0
+        self.runner.rollback(batch, seq.state_slot, valid_rows - excess)
+        seq.num_computed_tokens -= excess
+        return excess
 
     # ------------------------------------------------------------------ speculative decoding
     def _generator(self, seq: Sequence) -> torch.Generator:
@@ -371,13 +480,14 @@ class LLMEngine:
         entries, rows, want = [], [], []
         for ci, c in enumerate(sched.chunks):
             seq, v = c.seq, valid_rows[ci]
-            if seq.is_finished or seq.state_slot is None:
+            # a finished request's rows are caught up only for its end-of-request snapshot (prefix caching)
+            if seq.state_slot is None or (seq.is_finished and not self.kv.enabled):
                 continue
             lo = seq.num_computed_tokens - v
             entries.append((seq, lo, seq.tokens(lo + 1, lo + v + 1)))
             start = batch.seqs[ci].start
             rows.append(hidden[start:start + v])
-            want.append(ci in sampled and self._num_drafts(seq) > 0)
+            want.append(ci in sampled and not seq.is_finished and self._num_drafts(seq) > 0)
         if not entries:
             return
         shared = {} if self.model_config.text.index_share_for_mtp_iteration else None
@@ -434,7 +544,7 @@ class LLMEngine:
         seq.logprobs.extend(lps)
         if finished:
             seq.stop_reason = step.stop_reason
-            self.scheduler.finish(seq, reason)
+            self.scheduler.finish(seq, reason, release=False)  # released at the end of the step
             self.finished_total += 1
             del self._requests[seq.request_id]
         return self._output(st, accepted, text, finished, lps or None)
@@ -451,10 +561,12 @@ class LLMEngine:
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             preempted_total=self.scheduler.num_preemptions, aborted_total=self.aborted_total,
-            finished_total=self.finished_total, cache_usage=self.blocks.num_used / self.blocks.num_blocks,
+            finished_total=self.finished_total, failed_total=self.failed_total,
+            cache_usage=self.blocks.num_used / self.blocks.num_blocks,
             free_state_slots=self.slots.num_free, prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             encoder_cache_hits=self.runner.encoder_cache.hits, vision_calls=self.runner.vision_calls,
+            prefix_cache_queries=self.kv.queries, prefix_cache_hits=self.kv.hits,
             speculative=self.spec_stats.to_dict() if self.spec_stats is not None else None)
 
     def generate(self, prompts: list[PromptInput | str | list[int]],
@@ -481,5 +593,6 @@ class LLMEngine:
                 if out.prompt_logprobs is not None:
                     r.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
-                    r.finish_reason, r.metrics = out.finish_reason, out.metrics
+                    r.finish_reason, r.metrics, r.error = out.finish_reason, out.metrics, out.error
+                    r.stop_reason, r.num_cached_tokens = out.stop_reason, out.num_cached_tokens
         return [results[r] for r in ids]

@@ -8,7 +8,6 @@ encoder cache keyed by content hash so a repeated image is encoded once), and ru
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -16,9 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 from glm5.cache.hybrid_cache import CacheConfig, HybridCache
+from glm5.cache.snapshot_pool import StateSnapshotPool
 from glm5.config import ModelConfig
 from glm5.distributed import ParallelContext
 from glm5.engine.cuda_graph import DecodeAttentionPlanner, DecodeGraphRunner, DecodeRows, DecodeStager, graph_buckets
+from glm5.engine.media_items import media_hash, media_items
 from glm5.engine.prompt_logprobs import prompt_rows
 from glm5.engine.scheduler import SchedulerOutput
 from glm5.engine.sequence import MultiModalData, Sequence
@@ -31,21 +32,20 @@ from glm5.layers.vision import flatten_video_grid
 logger = logging.getLogger(__name__)
 
 
-def media_hash(pixels: torch.Tensor, grid: torch.Tensor) -> str:
-    h = hashlib.sha256()
-    h.update(grid.to(torch.int64).cpu().numpy().tobytes())
-    h.update(pixels.detach().to(torch.float32).cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 class EncoderCache:
-    """LRU of vision embeddings keyed by content hash."""
+    """LRU of vision embeddings keyed by content hash, bounded in bytes (``max_bytes``).
 
-    def __init__(self, max_entries: int = 64):
-        self.max_entries = max_entries
+    An embedding larger than the whole budget is not kept (the request still uses it)."""
+
+    def __init__(self, max_bytes: int = 64 * 2**20):
+        self.max_bytes = max_bytes
+        self.nbytes = 0
         self._d: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.hits = 0
         self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._d)
 
     def get(self, key: str) -> torch.Tensor | None:
         v = self._d.get(key)
@@ -55,10 +55,17 @@ class EncoderCache:
         return v
 
     def put(self, key: str, value: torch.Tensor) -> None:
+        size = value.numel() * value.element_size()
+        if size > self.max_bytes:
+            return
+        old = self._d.pop(key, None)
+        if old is not None:
+            self.nbytes -= old.numel() * old.element_size()
         self._d[key] = value
-        self._d.move_to_end(key)
-        while len(self._d) > self.max_entries:
-            self._d.popitem(last=False)
+        self.nbytes += size
+        while self.nbytes > self.max_bytes:
+            _, dropped = self._d.popitem(last=False)
+            self.nbytes -= dropped.numel() * dropped.element_size()
 
 
 DECODE_PATHS = ("auto", "batched", "per_request")
@@ -99,7 +106,8 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], cache_cfg: CacheConfig,
                  device: torch.device, dtype: torch.dtype, use_mtp: bool = False, index_fp8: bool = False,
-                 max_model_len: int | None = None, decode_path: str = "auto", par: ParallelContext | None = None):
+                 max_model_len: int | None = None, decode_path: str = "auto", encoder_cache_bytes: int = 64 * 2**20,
+                 par: ParallelContext | None = None):
         """``par``: this rank's place in a tensor/expert-parallel engine (``weights`` are then its shards);
         default a single device."""
         if decode_path not in DECODE_PATHS:
@@ -118,7 +126,7 @@ class ModelRunner:
             mla_layers.append(layer)
         self.cache = HybridCache(cfg.text, cache_cfg, device, dtype, mla_layers=mla_layers, index_fp8=index_fp8,
                                  kda_heads=cfg.text.linear_num_heads // par.tp_size)
-        self.encoder_cache = EncoderCache()
+        self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.vision_calls = 0
         self.batched_decode = decode_path == "batched" or (decode_path == "auto" and device.type == "cuda")
         self.stager: DecodeStager | None = None
@@ -132,12 +140,12 @@ class ModelRunner:
                     cache_cfg.block_size, cache_cfg.num_state_slots, self.cache.nbytes() / 2**20)
 
     # ------------------------------------------------------------------ vision
-    def _encode_items(self, items: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-        """items: (pixels, grid [1, 3] flattened per attention span) → embeddings per item, one tower call."""
+    def _encode_items(self, items: list[tuple[torch.Tensor, torch.Tensor]], keys: list[str]) -> list[torch.Tensor]:
+        """items: (pixels, grid [1, 3] flattened per attention span) and their content hashes →
+        embeddings per item, one tower call."""
         if self.model.vision is None:
             raise ValueError("this checkpoint has no vision tower (no vision_config / visual.* weights); "
                              "send text only")
-        keys = [media_hash(p, g) for p, g in items]
         out: list[torch.Tensor | None] = [None] * len(items)
         # The same image twice in one step (two requests, or one prompt repeating it) is encoded
         # once: later copies wait for the first and count as cache hits.
@@ -168,24 +176,18 @@ class ModelRunner:
         """Fill ``seq.mm.embeds`` for every sequence in ``seqs`` that lacks them (one batched tower call)."""
         pending: list[tuple[MultiModalData, list[int]]] = []
         items: list[tuple[torch.Tensor, torch.Tensor]] = []
+        keys: list[str] = []
         for seq in seqs:
             mm = seq.mm
             if mm is None or mm.embeds is not None:
                 continue
-            idx = []
-            for pix, grid in ((mm.pixel_values, mm.image_grid_thw), (mm.pixel_values_videos, mm.video_grid_thw)):
-                if pix is None or grid is None:
-                    continue
-                offset = 0
-                for row in grid:
-                    n = int(row.prod())
-                    idx.append(len(items))
-                    items.append((pix[offset:offset + n], row.view(1, 3) if row[0] == 1 else flatten_video_grid(row.view(1, 3))))
-                    offset += n
-            pending.append((mm, idx))
+            mine = media_items(mm)
+            pending.append((mm, list(range(len(items), len(items) + len(mine)))))
+            keys.extend(mm.item_hashes if mm.item_hashes is not None else [media_hash(p, g) for p, g in mine])
+            items.extend(mine)
         if not items:
             return
-        embs = self._encode_items(items)
+        embs = self._encode_items(items, keys)
         for mm, idx in pending:
             parts_img = [embs[i] for i in idx[: 0 if mm.image_grid_thw is None else len(mm.image_grid_thw)]]
             parts_vid = [embs[i] for i in idx[len(parts_img):]]
@@ -277,8 +279,15 @@ class ModelRunner:
         return batch, out, sample_idx
 
     def reset_slot(self, slot: int) -> None:
-        """Zero a state slot before a new request uses it (the scheduler's callback)."""
+        """Zero a state slot before a new request uses it."""
         self.cache.reset_slot(slot)
+
+    #: the snapshot pool the prefix cache uses over :meth:`kv_cache_view` (a distributed runner's replicates)
+    snapshot_pool_cls = StateSnapshotPool
+
+    def kv_cache_view(self) -> HybridCache:
+        """The cache the KV-cache manager mutates (slot resets, snapshot copies): this runner's own."""
+        return self.cache
 
     # ------------------------------------------------------------------ batched decode / CUDA graphs
     def capture_cuda_graphs(self, max_batch: int | None = None) -> str | None:

@@ -35,6 +35,8 @@ class RequestOutput:
     stop_reason: str | int | None = None
     # every prompt token's logprob record (None for token 0), on the request's first output only
     prompt_logprobs: list[dict | None] | None = None
+    num_cached_tokens: int = 0     # prompt tokens reused from the prefix cache (vLLM's name)
+    error: str | None = None       # set with finish_reason "error": why the engine failed this request
 
 
 @dataclass
@@ -48,8 +50,13 @@ class EngineStats:
     free_state_slots: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    failed_total: int = 0       # requests failed by an engine step (finish_reason "error")
     encoder_cache_hits: int = 0
     vision_calls: int = 0
+    # prefix caching, in tokens (vLLM's prefix_cache_queries / prefix_cache_hits): looked up at admissions,
+    # and of those found in the cache
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     # speculative decoding (None when off): SpecStats.to_dict()
     speculative: dict | None = None
 
@@ -66,3 +73,6 @@ class CompletionOutput:
     logprobs: list[dict] | None = None
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict | None] | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None

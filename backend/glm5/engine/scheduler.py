@@ -7,6 +7,11 @@ running request needs a block and none is free, the newest running request is pr
 blocks and state slot are freed and it goes back to the front of the waiting queue, to be
 recomputed later from its prompt plus the tokens it already produced (identical output, because
 sampling state — the generator — lives on the request, not in the cache).
+
+With prefix caching an admission starts at the request's longest cached prefix
+(:meth:`KVCacheManager.match`), and a preempted request leaves a snapshot behind, so that its
+re-admission goes through the cache too. A prefill chunk never runs past a planned snapshot
+position (:meth:`KVCacheManager.next_checkpoint`): the state there must exist after some step.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from glm5.cache.allocator import BlockAllocator, SlotAllocator
+from glm5.engine.kv_cache_manager import KVCacheManager
 from glm5.engine.sequence import Sequence, SeqStatus
 
 logger = logging.getLogger(__name__)
@@ -45,13 +50,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockAllocator, slots: SlotAllocator, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, on_slot_allocated=None):
-        self.blocks, self.slots = blocks, slots
-        self.block_size = block_size
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.blocks, self.slots = kv.blocks, kv.slots
+        self.block_size = kv.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.on_slot_allocated = on_slot_allocated or (lambda slot: None)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -69,41 +73,57 @@ class Scheduler:
                 return seq
         return None
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Mark finished and release its cache at once (used for stop, length and abort)."""
+    def finish(self, seq: Sequence, reason: str, release: bool = True) -> None:
+        """Mark finished and (unless ``release`` is False) release its cache at once (stop, length,
+        abort). The engine defers the release of requests that finish inside a step until the step's
+        rows are final, so that their end state can be snapshotted (:meth:`release_finished`)."""
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.metrics.finished_time = time.time()
-        self._release(seq)
+        if release:
+            self.kv.release(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def _release(self, seq: Sequence) -> None:
-        if seq.block_table:
-            self.blocks.free(seq.block_table)
-            seq.block_table = []
-        if seq.state_slot is not None:
-            self.slots.free(seq.state_slot)
-            seq.state_slot = None
-        seq.num_computed_tokens = 0
+    def release_finished(self, seq: Sequence, snapshot: bool = True) -> None:
+        """Release a request finished with ``release=False`` (snapshotting its end state unless told not to)."""
+        self.kv.release(seq, snapshot="request_end" if snapshot else None)
+
+    def evict(self, seq: Sequence) -> None:
+        """Free a request's cache and take it off both queues, keeping its tokens (the engine re-queues it
+        after a failed step: its states are recomputed from its tokens, as after a preemption). No
+        snapshot: the failed step may have half-written its states."""
+        self.kv.release(seq, snapshot=None)
+        seq.draft_tokens, seq.draft_probs = [], None
+        seq.status = SeqStatus.WAITING
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
 
     def ensure_blocks(self, seq: Sequence, num_positions: int) -> bool:
         """Make ``seq``'s block table cover ``num_positions`` positions if blocks are free (MTP drafts)."""
-        need = max(0, -(-num_positions // self.block_size) - len(seq.block_table))
-        if need > self.blocks.num_free:
+        if self.kv.blocks_needed(seq, num_positions) > self.blocks.num_free:
             return False
-        seq.block_table.extend(self.blocks.allocate(need))
+        self.kv.grow(seq, num_positions)
         return True
 
     def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        total = seq.num_computed_tokens + num_tokens
-        return max(0, -(-total // self.block_size) - len(seq.block_table))
+        return self.kv.blocks_needed(seq, seq.num_computed_tokens + num_tokens)
+
+    def _chunk(self, seq: Sequence, pending: int, budget: int) -> int:
+        """Rows of ``seq``'s next prefill chunk: the budget's share, stopping at a planned snapshot."""
+        n = min(pending, budget)
+        stop = self.kv.next_checkpoint(seq)
+        if stop is not None and seq.num_computed_tokens < stop < seq.num_computed_tokens + n:
+            n = stop - seq.num_computed_tokens
+        return n
 
     def _preempt(self, seq: Sequence) -> None:
         logger.debug("preempting %s (%d tokens)", seq.request_id, seq.num_tokens)
-        self._release(seq)
+        self.kv.release(seq, snapshot="preempted")  # its re-admission resumes there if the blocks survive
         seq.draft_tokens, seq.draft_probs = [], None
         seq.status = SeqStatus.WAITING
         seq.metrics.num_preemptions += 1
@@ -123,7 +143,7 @@ class Scheduler:
             pending = seq.num_tokens - seq.num_computed_tokens
             drafts = len(seq.draft_tokens) if pending == 1 else 0
             drafts = min(drafts, budget - 1)
-            n = min(pending, budget) + drafts
+            n = self._chunk(seq, pending, budget) + drafts
             need = self._blocks_needed(seq, n)
             if drafts and need > self.blocks.num_free:  # drop the speculation before preempting anyone
                 n, drafts = n - drafts, 0
@@ -136,22 +156,22 @@ class Scheduler:
                 self._preempt(seq)
                 out.preempted.append(seq)
                 continue
-            seq.block_table.extend(self.blocks.allocate(need))
+            self.kv.grow(seq, seq.num_computed_tokens + n)
             out.chunks.append(ScheduledChunk(seq, n, drafts))
             budget -= n
             i += 1
-        # admit waiting requests
+        # admit waiting requests, each from its longest cached prefix
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.slots.num_free:
             seq = self.waiting[0]
-            n = min(seq.num_tokens, budget)
-            need = self._blocks_needed(seq, n)
-            if need > self.blocks.num_free:
+            match = self.kv.match(seq)
+            seq.num_computed_tokens = match.num_cached_tokens
+            seq.checkpoints = self.kv.plan_checkpoints(seq, match)
+            n = self._chunk(seq, seq.num_tokens - match.num_cached_tokens, budget)
+            if self.kv.admission_cost(seq, match, match.num_cached_tokens + n) > self.blocks.num_free:
+                seq.num_computed_tokens, seq.checkpoints = 0, {}
                 break
             self.waiting.popleft()
-            seq.state_slot = self.slots.allocate()
-            self.on_slot_allocated(seq.state_slot)
-            seq.block_table = self.blocks.allocate(need)
-            seq.num_computed_tokens = 0
+            self.kv.admit(seq, match, match.num_cached_tokens + n)
             seq.status = SeqStatus.RUNNING
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.time()

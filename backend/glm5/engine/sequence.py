@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from glm5.cache.prefix_keys import MediaSpan, TokenChain
 from glm5.sampling_params import SamplingParams
 
 
@@ -44,7 +45,10 @@ class MultiModalData:
     video_positions: torch.Tensor | None = None
     embeds: torch.Tensor | None = None              # filled by the runner: [M, H], rows in ``positions`` order
     positions: torch.Tensor | None = None           # all placeholder positions, sorted
-    content_hash: str | None = None
+    # per image / video, in tower order (images, then videos): content hash and placeholder span; the
+    # encoder cache and the prefix cache's block keys both use them (computed once, at add_request)
+    item_hashes: list[str] | None = None
+    spans: list[MediaSpan] = field(default_factory=list)
 
 
 @dataclass
@@ -74,6 +78,13 @@ class Sequence:
     draft_tokens: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
     spec_stats: object | None = None
+    # prefix caching (glm5.engine.kv_cache_manager)
+    num_cached_tokens: int | None = None        # tokens reused at the first admission (None: not admitted yet)
+    prefix_chain: TokenChain | None = None       # chained block keys of the tokens so far
+    num_registered_blocks: int = 0               # leading blocks of block_table that are registered / shared
+    checkpoints: dict[int, str] = field(default_factory=dict)  # prefill positions where a snapshot is planned → kind
+    # snapshots on this request's own path that its request-end snapshot supersedes (evicted first)
+    superseded_snapshots: list[bytes] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -88,7 +99,13 @@ class Sequence:
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
     def tokens(self, start: int, end: int) -> list[int]:
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        """Token ids at positions ``start .. end-1`` (prompt, then output), without copying the rest."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     @property
     def is_finished(self) -> bool:

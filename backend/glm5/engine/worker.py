@@ -38,6 +38,7 @@ class WorkerState:
     last_batch: Any = None
     shared_pools: dict | None = None
     mtp_tails: torch.Tensor | None = None
+    snapshots: Any = None       # the prefix cache's state snapshots of this rank (made on first use)
 
 
 def apply(runner: ModelRunner, state: WorkerState, op: tuple) -> bool:
@@ -49,6 +50,11 @@ def apply(runner: ModelRunner, state: WorkerState, op: tuple) -> bool:
         state.last_batch, _ = runner.forward_decode(op[1])
     elif kind == "reset_slot":
         runner.reset_slot(op[1])
+    elif kind == "snapshot_move":
+        if state.snapshots is None:
+            from glm5.cache.snapshot_pool import StateSnapshotPool
+            state.snapshots = StateSnapshotPool(runner.cache, op[1])
+        state.snapshots.move(*op[2:])
     elif kind == "rollback":
         runner.rollback(state.last_batch, op[1], op[2])
     elif kind == "mtp":

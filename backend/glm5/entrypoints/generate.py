@@ -50,6 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--num-cache-blocks", type=int, default=None)
     p.add_argument("--num-speculative-tokens", type=int, default=0)
+    p.add_argument("--quantization", choices=("auto", "fp8", "none"), default="auto",
+                   help="fp8 weights: auto keeps an fp8 checkpoint's weights in fp8 on CUDA, fp8 also quantizes the "
+                        "other projections at load, none dequantizes (docs/fp8.md)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse cached prompt prefixes between the prompts of this run (default: on)")
     add_parallel_arguments(p)
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -130,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
                                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   block_size=args.block_size, num_cache_blocks=args.num_cache_blocks,
                                   num_speculative_tokens=args.num_speculative_tokens,
+                                  quantization=args.quantization,
+                                  enable_prefix_caching=args.enable_prefix_caching,
                                   **parallel_engine_kwargs(args)))
     try:
         return _generate(engine, args)
@@ -160,7 +167,7 @@ def _generate(engine: LLMEngine, args: argparse.Namespace) -> int:
             if out.finished:
                 m = out.metrics
                 r.update(finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
-                         num_output_tokens=out.num_output_tokens,
+                         num_output_tokens=out.num_output_tokens, num_cached_tokens=out.num_cached_tokens,
                          ttft_s=None if m is None or m.ttft is None else round(m.ttft, 6))
     elapsed = time.time() - t0
     if args.stream and len(prompts) == 1:

@@ -10,6 +10,9 @@ The choices (each set by ``GLM5_<NAME>_BACKEND`` or :func:`set_backends`):
 * ``decode_attn``: the sparse NoPE MLA decode of the batched decode path — ``triton``, ``flashinfer``
   or ``torch``.
 * ``index``, ``moe``, ``mhc``: our Triton kernels (``glm5_kernels``) or their torch references.
+* ``fp8_linear``: linears stored in block-scaled fp8 - ``triton`` (:mod:`glm5_kernels.fp8_linear`: our fp8
+  GEMV / small-M GEMM, ``torch._scaled_mm`` or a Triton w8a8 GEMM, chosen per shape) or ``torch`` (dequantise
+  the weight on every call, :mod:`glm5_kernels.fp8_ref`).
 * ``sampling``: ``torch`` or FlashInfer's fused sampling for unseeded rows.
 
 ``auto`` picks the fast path when the tensors live on a CUDA device, the library imports and the
@@ -40,6 +43,7 @@ SAMPLING_CHOICES = ("auto", "torch", "flashinfer")
 MOE_CHOICES = ("auto", "torch", "triton")
 INDEX_CHOICES = ("auto", "torch", "triton")
 MHC_CHOICES = ("auto", "torch", "triton")
+FP8_LINEAR_CHOICES = ("auto", "torch", "triton")
 
 _overrides: dict[str, str] = {}
 
@@ -50,12 +54,13 @@ class BackendUnavailable(RuntimeError):
 
 def set_backends(kda: str | None = None, attn: str | None = None, decode_attn: str | None = None,
                  sampling: str | None = None, moe: str | None = None, index: str | None = None,
-                 mhc: str | None = None) -> None:
+                 mhc: str | None = None, fp8_linear: str | None = None) -> None:
     """Override the environment for this process (``None`` leaves a setting unchanged)."""
     for name, value, choices in (("kda", kda, KDA_CHOICES), ("attn", attn, ATTN_CHOICES),
                                  ("decode_attn", decode_attn, DECODE_ATTN_CHOICES),
                                  ("sampling", sampling, SAMPLING_CHOICES), ("moe", moe, MOE_CHOICES),
-                                 ("index", index, INDEX_CHOICES), ("mhc", mhc, MHC_CHOICES)):
+                                 ("index", index, INDEX_CHOICES), ("mhc", mhc, MHC_CHOICES),
+                                 ("fp8_linear", fp8_linear, FP8_LINEAR_CHOICES)):
         if value is not None:
             _validate(name, value, choices)
             _overrides[name] = value
@@ -198,6 +203,12 @@ def moe_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
 def mhc_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
     """``"triton"`` (fused mHC pre + block RMSNorm and post: 3 launches per site instead of ~150) or ``"torch"``."""
     return _triton_or_torch("mhc", MHC_CHOICES, device, dtype)
+
+
+def fp8_linear_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """``"triton"`` (fp8 GEMV / GEMM kernels reading the fp8 weight and its scales) or ``"torch"`` (dequantise the
+    weight per call, then ``F.linear``: the CPU path and the kernels' reference) for fp8-stored linears."""
+    return _triton_or_torch("fp8_linear", FP8_LINEAR_CHOICES, device, dtype)
 
 
 def index_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:

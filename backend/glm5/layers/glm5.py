@@ -13,6 +13,7 @@ from glm5.config import ModelConfig
 from glm5.distributed import ParallelContext
 from glm5.layers.batch import ForwardBatch
 from glm5.layers.kda import KDALayer
+from glm5.layers.linear import Linear
 from glm5.layers.mhc import HyperConnection
 from glm5.layers.mla import MLALayer
 from glm5.layers.mlp import DenseMLP
@@ -60,8 +61,8 @@ class Glm5ForCausalLM:
         self.embed = VocabParallelEmbedding(weights["embed_tokens.weight"], par)
         self.layers = [DecoderLayer(weights, i, cfg, par) for i in range(t.num_hidden_layers)]
         self.norm = weights["norm.weight"]
-        self.lm_head = ParallelLMHead(weights["embed_tokens.weight"] if t.tie_word_embeddings
-                                      else weights["lm_head.weight"], par, t.vocab_size)
+        self.lm_head = ParallelLMHead(Linear(weights["embed_tokens.weight"]) if t.tie_word_embeddings
+                                      else Linear.load(weights, "lm_head"), par, t.vocab_size)
         self.vision = VisionTower(weights, cfg.vision) if cfg.vision is not None and "visual.patch_embed.proj.weight" in weights else None
         self.weights = weights
 

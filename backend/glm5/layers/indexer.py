@@ -147,7 +147,7 @@ class KPoolIndexer:
         """Index scores ``[n, n_pools]`` fp32 of one request's queries over its first ``n_pools`` pools."""
         device = x.device
         q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
-        w = self.w_heads(x.to(self.w_heads.weight.dtype)).float() * self.head_w_scale
+        w = self.w_heads(x).float() * self.head_w_scale
         scales = cache.pool_scales[layer] if cache.index_fp8 else None
         if index_backend(device, cache.dtype) == "triton":
             # the kernel reads the pooled keys in place: no [n, heads, pools] fp32 intermediate
@@ -186,7 +186,7 @@ class KPoolIndexer:
         n = x.shape[0]
         n_complete = torch.div(positions + 1, kp, rounding_mode="floor")
         q = self.wq_b(q_resid).view(n, self.n_heads, self.head_dim)
-        w = self.w_heads(x.to(self.w_heads.weight.dtype)).float() * self.head_w_scale
+        w = self.w_heads(x).float() * self.head_w_scale
         row_seq = torch.arange(n, device=x.device, dtype=torch.int32)
         max_pools = meta.block_tables.shape[1] * cache.pools_per_block
         scores = self.par.tp_all_reduce(indexer_scores(q, w, pool_keys, scales, meta.block_tables, row_seq,

@@ -18,7 +18,7 @@ from glm5.distributed import ParallelContext
 from glm5.layers.backends import attn_backend, decode_attn_backend
 from glm5.layers.batch import ForwardBatch
 from glm5.layers.indexer import KPoolIndexer
-from glm5.layers.linear import Linear
+from glm5.layers.linear import Linear, split_heads
 from glm5.layers.parallel import RowParallelLinear
 from glm5_kernels.norms_ref import rms_norm
 
@@ -44,9 +44,10 @@ class MLALayer:
         self.kv_a_norm = weights[f"{p}.kv_a_layernorm.weight"]
         self.kv_b = Linear.load(weights, f"{p}.kv_b_proj")
         self.o_proj = RowParallelLinear.load(weights, f"{p}.o_proj", par)
-        kv_b = self.kv_b.weight.view(self.heads, self.d_qk + self.d_v, self.rank)
-        self.w_uk = kv_b[:, : self.d_qk]   # [h, d_qk, r]
-        self.w_uv = kv_b[:, self.d_qk:]    # [h, d_v, r]
+        # absorbed views of kv_b (this rank's heads): W_UKᵀ [h, r, d_qk] (q → latent query), W_UV [h, d_v, r]
+        # (latent → output); fp8 storage stays fp8 when the head dims are whole 128-row scale blocks
+        # (linear.split_heads)
+        self.w_uk_t, self.w_uv = split_heads(self.kv_b, self.heads, (self.d_qk, self.d_v), self.q_a_norm.dtype)
         self.scale = self.d_qk ** -0.5
         self.indexer = KPoolIndexer(weights, f"{p}.indexer", cfg, par)
 
@@ -89,7 +90,7 @@ class MLALayer:
         lat_cache = cache.latent[self.layer]
         lat_cache.index_copy_(0, meta.slot_mapping, latent.to(lat_cache.dtype))
         idx, counts = self.indexer.decode_select(x, q_resid, raw_index, batch.positions, meta, cache, self.layer)
-        q_lat = torch.einsum("nhd,hdr->nhr", q, self.w_uk)
+        q_lat = self.w_uk_t(q)
         backend = decode_attn_backend(x.device, x.dtype, self.rank)
         if backend == "triton":
             from glm5_kernels.sparse_mla_decode import sparse_mla_decode
@@ -102,7 +103,7 @@ class MLALayer:
         else:
             from glm5_kernels.sparse_mla_ref import sparse_mla_decode_ref
             o_lat = sparse_mla_decode_ref(q_lat, lat_cache, idx, self.scale)
-        out = torch.einsum("nhr,hdr->nhd", o_lat.to(x.dtype), self.w_uv)
+        out = self.w_uv(o_lat.to(x.dtype))
         return self.o_proj(out.reshape(x.shape[0], -1))
 
     def _softmax(self, scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -134,8 +135,8 @@ class MLALayer:
         return o[0].transpose(0, 1)
 
     def _absorbed(self, q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        q_lat = torch.einsum("nhd,hdr->hnr", q, self.w_uk)
+        q_lat = self.w_uk_t(q).transpose(0, 1)  # [h, n, r]
         scores = torch.matmul(q_lat, ctx.t()) * self.scale  # [h, n, L]
         probs = self._softmax(scores, mask, q.dtype)
         o_lat = torch.matmul(probs, ctx)  # [h, n, r]
-        return torch.einsum("hnr,hdr->nhd", o_lat, self.w_uv)
+        return self.w_uv(o_lat.transpose(0, 1))

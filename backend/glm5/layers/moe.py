@@ -18,6 +18,7 @@ from glm5.distributed import ParallelContext
 from glm5.distributed.eplb import ExpertMap, initial_placement
 from glm5.layers.backends import moe_backend
 from glm5.layers.mlp import DenseMLP
+from glm5_kernels.fp8_ref import SCALE_SUFFIX
 from glm5_kernels.moe_ref import fused_moe_ref
 
 
@@ -48,6 +49,10 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, cfg: TextCo
 class MoE:
     """Routed experts (stacked ``[E, I, H]`` weights) plus the shared expert.
 
+    The stacks are either in the model dtype or all three block-scaled fp8 (``float8_e4m3fn`` with
+    ``[E, ceil(rows/128), ceil(cols/128)]`` fp32 scales under ``<name>_scale_inv``): the fused kernel then reads
+    fp8 and dequantizes in registers, the torch path dequantizes one touched expert at a time.
+
     Parallel layouts (:mod:`glm5.distributed`): without expert parallelism every rank holds every expert's slice
     of the intermediate dim (like a dense MLP) and its output is a partial sum; with it, a rank holds whole
     experts — its physical experts under EPLB — and computes only the (token, slot) pairs routed to them. Either
@@ -70,6 +75,11 @@ class MoE:
         self.w_gate = weights[f"{prefix}.experts.gate_proj"]
         self.w_up = weights[f"{prefix}.experts.up_proj"]
         self.w_down = weights[f"{prefix}.experts.down_proj"]
+        scales = [weights.get(f"{prefix}.experts.{n}_proj{SCALE_SUFFIX}") for n in ("gate", "up", "down")]
+        if any(s is not None for s in scales) and any(s is None for s in scales):
+            raise ValueError(f"{prefix}.experts: gate/up/down must all be fp8 or none (scales present: "
+                             f"{[s is not None for s in scales]}); load with quantization=none or fp8")
+        self.scales = None if scales[0] is None else tuple(scales)
         self.shared = DenseMLP(weights, f"{prefix}.shared_experts", cfg.swiglu_limit, par, reduce=False) \
             if f"{prefix}.shared_experts.gate_proj.weight" in weights else None
         self.experts: ExpertMap | None = None
@@ -84,7 +94,7 @@ class MoE:
 
     def expert_tensors(self) -> list[torch.Tensor]:
         """The per-local-expert tensors (dim 0 = local physical expert) an EPLB rebalance moves."""
-        return [self.w_gate, self.w_up, self.w_down]
+        return [self.w_gate, self.w_up, self.w_down] + (list(self.scales) if self.scales is not None else [])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         routing = route(x, self.gate_w, self.bias, self.cfg)
@@ -111,9 +121,9 @@ class MoE:
         if moe_backend(x.device, x.dtype) == "triton":
             from glm5_kernels.fused_moe import fused_moe
             return fused_moe(x, self.w_gate, self.w_up, self.w_down, weights, ids, self.cfg.swiglu_limit,
-                             expert_map=expert_map)
+                             scales=self.scales, expert_map=expert_map)
         return fused_moe_ref(x, self.w_gate, self.w_up, self.w_down, weights, ids, self.cfg.swiglu_limit,
-                             expert_map=expert_map)
+                             scales=self.scales, expert_map=expert_map)
 
     def _routed_all2all(self, x: torch.Tensor, weights: torch.Tensor, phys: torch.Tensor) -> torch.Tensor:
         """All-to-all dispatch and combine of the routed experts (see the class docstring)."""

@@ -37,13 +37,9 @@ class RowParallelLinear:
              reduce: bool = True) -> "RowParallelLinear":
         return cls(Linear.load(weights, prefix), par, reduce)
 
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.linear.weight
-
-    @property
-    def in_features(self) -> int:
-        return self.linear.in_features
+    def __getattr__(self, name: str):
+        # storage questions (method, quantized, dequantized, in_features, ...) are the inner linear's
+        return getattr(self.__dict__["linear"], name)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x)
@@ -78,12 +74,11 @@ class VocabParallelEmbedding:
 class ParallelLMHead:
     """Logits over the full vocabulary from per-rank vocab slices (gathered on every TP rank)."""
 
-    def __init__(self, weight: torch.Tensor, par: ParallelContext, vocab_size: int):
-        self.linear, self.par, self.vocab_size = Linear(weight), par, vocab_size
+    def __init__(self, linear: Linear, par: ParallelContext, vocab_size: int):
+        self.linear, self.par, self.vocab_size = linear, par, vocab_size
 
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.linear.weight
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["linear"], name)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.linear(h)

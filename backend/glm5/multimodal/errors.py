@@ -8,6 +8,8 @@ to turn and a client knows what to shrink.
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "MediaError",
     "MediaDecodeError",
@@ -55,6 +57,19 @@ class MediaCapExceededError(MediaError):
 
 class PlaceholderMismatchError(MediaError):
     """The prompt's ``<|image|>``/``<|video|>`` placeholders do not match the media passed."""
+
+
+_OBJECT_REPR = re.compile(r"<[^<>]*\bobject at 0x[0-9a-fA-F]+>")
+_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{6,}\b")
+
+
+def describe(exc: BaseException, limit: int = 300) -> str:
+    """A decoder's exception as text fit for a client: the last line, without Python object reprs or
+    memory addresses (pillow says "cannot identify image file <_io.BytesIO object at 0x7f..>")."""
+    lines = str(exc).strip().splitlines()
+    text = lines[-1] if lines else type(exc).__name__
+    text = " ".join(_ADDRESS.sub("", _OBJECT_REPR.sub("", text)).split())
+    return (text or type(exc).__name__)[:limit]
 
 
 def _number(value: float) -> str:

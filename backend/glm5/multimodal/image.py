@@ -30,7 +30,7 @@ from PIL import Image, ImageOps
 from PIL import BmpImagePlugin, GifImagePlugin, JpegImagePlugin, PngImagePlugin, WebPImagePlugin  # noqa: F401
 
 from .caps import MediaCaps, ProcessorSettings
-from .errors import EmptyMediaError, MediaCapExceededError, MediaDecodeError, check_encoded_size
+from .errors import EmptyMediaError, MediaCapExceededError, MediaDecodeError, check_encoded_size, describe
 from .geometry import CanvasPlan, apply_normalization, image_normalization_table, patchify, plan_canvas
 
 logger = logging.getLogger(__name__)
@@ -97,10 +97,10 @@ def probe_image(data: bytes, caps: MediaCaps, settings: ProcessorSettings | None
         if size is not None and 0 in size:
             raise EmptyMediaError(f"image has a zero dimension ({size[0]}x{size[1]} pixels)") from exc
         raise MediaDecodeError(
-            f"not a decodable image in a supported format ({', '.join(SUPPORTED_IMAGE_FORMATS)}): {exc}"
+            f"not a decodable image in a supported format ({', '.join(SUPPORTED_IMAGE_FORMATS)}): {describe(exc)}"
         ) from exc
     except (OSError, SyntaxError, ValueError, struct.error) as exc:
-        raise MediaDecodeError(f"malformed image header: {exc}") from exc
+        raise MediaDecodeError(f"malformed image header: {describe(exc)}") from exc
 
     width, height = image.size
     if width <= 0 or height <= 0:
@@ -134,7 +134,7 @@ def decode_probed_image(probe: ImageProbe, settings: ProcessorSettings | None = 
         image = ImageOps.exif_transpose(image)  # loads the pixels
         rgb = _to_rgb(image)
     except (OSError, SyntaxError, ValueError, EOFError, struct.error) as exc:
-        raise MediaDecodeError(f"could not decode the {probe.format} image: {exc}") from exc
+        raise MediaDecodeError(f"could not decode the {probe.format} image: {describe(exc)}") from exc
     plan = probe.plan
     if rgb.size != (plan.width, plan.height):  # header and decoded size disagree: trust the pixels
         raise MediaDecodeError(

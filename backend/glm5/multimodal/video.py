@@ -36,7 +36,7 @@ import numpy as np
 
 from .caps import MediaCaps, ProcessorSettings
 from .container import probe_container
-from .errors import EmptyMediaError, MediaCapExceededError, MediaDecodeError, check_encoded_size
+from .errors import EmptyMediaError, MediaCapExceededError, MediaDecodeError, check_encoded_size, describe
 from .geometry import CanvasPlan, normalized_patches, plan_canvas, video_normalization_table
 
 logger = logging.getLogger(__name__)
@@ -309,7 +309,7 @@ def _open_reader(data: bytes):
     try:
         reader = decord.VideoReader(io.BytesIO(data), ctx=decord.cpu(0))
     except AssertionError as exc:  # decord asserts a positive frame count
-        raise EmptyMediaError(f"video has no decodable frames ({exc})") from exc
+        raise EmptyMediaError(f"video has no decodable frames ({_short(exc)})") from exc
     except Exception as exc:  # noqa: BLE001 - decord raises its own DECORDError / RuntimeError types
         raise MediaDecodeError(f"could not open the video: {_short(exc)}") from exc
     if len(reader) <= 0:
@@ -328,6 +328,5 @@ def _get_frames(reader, indices: np.ndarray) -> np.ndarray:
 
 
 def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[-1] if text else type(exc).__name__)[:300]
+    return describe(exc)
 

@@ -9,21 +9,28 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import hmac
 import json
 import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-#: Request parameters that Triton or its clients add and that are not sampling parameters.
+#: Request parameters that Triton or its clients add and that are not sampling parameters (2.51's HTTP
+#: ``/generate`` also hands the request's top-level ``id`` to the model as a parameter).
 RESERVED_PARAMETERS = frozenset({"sequence_id", "priority", "timeout", "sequence_start", "sequence_end",
-                                 "headers"})
+                                 "headers", "id"})
 
 _B64_RE = re.compile(rb"^[A-Za-z0-9+/_\-=\s]+$")
 
 
 class RequestError(ValueError):
     """A request input is invalid; the message says which and why."""
+
+
+class DuplicateRequestIdError(RequestError):
+    """A request reuses the id of a request that is still running (Triton ``ALREADY_EXISTS``)."""
 
 
 def decode_media_item(item: bytes | str, *, name: str, index: int) -> bytes:
@@ -161,22 +168,62 @@ def check_sequences(params: Any, flags: OutputFlags) -> None:
                            "cannot stream; set stream=false or best_of=n")
 
 
+#: Accepted length of a ``stop_key``: long enough that it cannot be guessed when random.
+STOP_KEY_MIN_LEN = 16
+STOP_KEY_MAX_LEN = 256
+
+
+def check_stop_key(key: str | None) -> str | None:
+    """Validate an optional ``stop_key`` input (None: the request cannot be stopped by a stop request)."""
+    if key is None or key == "":
+        return None
+    if not STOP_KEY_MIN_LEN <= len(key) <= STOP_KEY_MAX_LEN:
+        raise RequestError(f"stop_key has {len(key)} characters; use {STOP_KEY_MIN_LEN} to {STOP_KEY_MAX_LEN} "
+                           "random characters (e.g. secrets.token_hex(16))")
+    return key
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
 @dataclass
-class StopRegistry:
-    """Client request id → engine request ids in flight (for ``stop`` requests)."""
+class _Live:
+    engine_id: str
+    key_digest: bytes | None
 
-    active: dict[str, set[str]] = field(default_factory=dict)
 
-    def add(self, client_id: str, engine_id: str) -> None:
-        if client_id:
-            self.active.setdefault(client_id, set()).add(engine_id)
+@dataclass
+class LiveRequests:
+    """Running requests by client request id, with the ownership rule of ``stop`` requests.
 
-    def remove(self, client_id: str, engine_id: str) -> None:
-        ids = self.active.get(client_id)
-        if ids is not None:
-            ids.discard(engine_id)
-            if not ids:
-                del self.active[client_id]
+    Triton 2.51 tells a model nothing about who sent a request (no connection or stream identity),
+    so ownership is a secret: a request that may later be stopped carries a ``stop_key`` it chose,
+    and a stop request must name the same request id *and* present the same key. Only a digest of
+    the key is kept and compared in constant time. A request id is live from admission until its
+    final response is queued; a second request with a live id is refused, so one id always names at
+    most one request and a stop aborts at most one. Requests without an id are not registered.
+    """
 
-    def lookup(self, client_id: str) -> set[str]:
-        return set(self.active.get(client_id, ()))
+    active: dict[str, _Live] = field(default_factory=dict)
+
+    def register(self, client_id: str, engine_id: str, stop_key: str | None) -> None:
+        if not client_id:
+            return
+        if client_id in self.active:
+            raise DuplicateRequestIdError(f"request id {client_id!r} belongs to a request that is still running; "
+                                          "use a unique id per request (e.g. a UUID)")
+        self.active[client_id] = _Live(engine_id, None if stop_key is None else _digest(stop_key))
+
+    def release(self, client_id: str, engine_id: str) -> None:
+        live = self.active.get(client_id)
+        if live is not None and live.engine_id == engine_id:
+            del self.active[client_id]
+
+    def authorize_stop(self, client_id: str, stop_key: str) -> str | None:
+        """The engine id a stop request may abort, or None (unknown id, no key on the request, wrong key:
+        indistinguishable to the caller, so a stop request cannot probe which ids are running)."""
+        live = self.active.get(client_id)
+        if live is None or live.key_digest is None:
+            return None
+        return live.engine_id if hmac.compare_digest(live.key_digest, _digest(stop_key)) else None

@@ -6,8 +6,16 @@ original layout that ``save_pretrained`` writes or HF's packed in-memory layout,
 with their ``weight_scale_inv`` and checks names and shapes against the config. Every problem is
 collected, so a bad checkpoint fails once with a :class:`CheckpointError` that lists all of them
 (instead of the user fixing one and discovering the next). The *load* pass then reads one tensor
-at a time through ``safe_open`` (memory-mapped), dequantizes, casts and stacks experts straight
-into the preallocated result, so peak host memory stays near the size of the result.
+at a time through ``safe_open`` (memory-mapped), dequantizes or keeps fp8, casts and stacks experts
+straight into the preallocated result, so peak host memory stays near the size of the result.
+
+fp8 (``quantization``): ``"none"`` dequantizes every block-scaled e4m3 weight to the model dtype;
+``"auto"`` keeps what the checkpoint has: each fp8 weight stays ``float8_e4m3fn`` with its fp32
+``[ceil(out/128), ceil(in/128)]`` scales beside it under ``<name>_scale_inv`` (no model-dtype copy);
+``"fp8"`` keeps those and also quantizes every other projection of the text model
+(:func:`glm5.weights.names.is_fp8_linear_weight`) to the same format at load, as vLLM's online fp8 does.
+Only e4m3 with 128 x 128 blocks is kept as fp8 (the kernels' format); anything else is dequantized (and,
+with ``"fp8"``, requantized), with a log line.
 """
 
 from __future__ import annotations
@@ -25,15 +33,21 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from glm5_kernels.fp8_ref import BLOCK as KERNEL_FP8_BLOCK
+from glm5_kernels.fp8_ref import FP8_DTYPE, dequantize_fp8_block, quantize_fp8_block
+
 from glm5.config import ModelConfig
 from glm5.distributed.sharding import ShardIndex, WeightSharding
 from glm5.weights.files import FP8_CODES, ST_DTYPES, TensorInfo, find_weight_files, read_header
 from glm5.weights.names import (
+    SCALE_SUFFIX,
     KeyTarget,
     Shape,
     abbreviate_names,
     checkpoint_key_targets,
     expected_weight_shapes,
+    can_stay_fp8,
+    is_fp8_linear_weight,
     is_fp32_weight,
     is_mtp_name,
     source_shape,
@@ -42,8 +56,10 @@ from glm5.weights.names import (
 
 logger = logging.getLogger(__name__)
 
-SCALE_SUFFIX = "_scale_inv"  # fp8 block scales: "<key>_scale_inv", i.e. "x.weight" -> "x.weight_scale_inv"
 DEFAULT_FP8_BLOCK = (128, 128)
+#: ``quantization`` values: what the loader does with fp8 weights (module docstring).
+QUANTIZATION_MODES = ("auto", "fp8", "none")
+_SCALE_DTYPES = frozenset({"F32", "BF16", "F16"})
 
 
 class CheckpointError(ValueError):
@@ -78,6 +94,8 @@ def dequantize_fp8_blockwise(w8: torch.Tensor, scale_inv: torch.Tensor,
     ``offset``: where ``w8`` starts in the full weight (a tensor-parallel shard); ``scale_inv`` then holds the
     scale rows/columns of the blocks the shard touches (:func:`fp8_scale_index`), and a shard that does not
     start on the block grid still gets each element's own block scale."""
+    if offset == (0, 0):
+        return dequantize_fp8_block(w8, scale_inv, block)
     rows, cols = w8.shape[-2], w8.shape[-1]
     r0, c0 = offset[0] % block[0], offset[1] % block[1]
     s = scale_inv.to(device=w8.device, dtype=torch.float32)
@@ -182,6 +200,10 @@ def _plan(path: Path, cfg: ModelConfig, allow_missing_mtp: bool) -> tuple[list[_
         elif w.dtype not in FP8_CODES:
             problems.append(f"scale {key} belongs to {base}, which is {w.dtype}, not fp8; drop the scale or store "
                             "the weight as float8_e4m3fn")
+        elif sinfo.dtype not in _SCALE_DTYPES:
+            scale_trouble.add(base)
+            problems.append(f"wrong dtype: fp8 scale {key} is {sinfo.dtype}; block scales are float32 (F32); "
+                            "re-export the checkpoint's weight_scale_inv tensors as float32")
         elif sinfo.shape != fp8_scale_shape(w.shape, block):
             scale_trouble.add(base)
             problems.append(f"wrong shape: fp8 scale {key}: got {tuple(sinfo.shape)}, expected "
@@ -313,7 +335,7 @@ def _weight_key(key: str) -> str:
 # load
 # ---------------------------------------------------------------------------------------------
 class _Reader:
-    """Open shard handles (memory-mapped) and per-part reads with fp8 dequantization."""
+    """Open shard handles (memory-mapped) and per-part reads, dequantizing fp8 or keeping it."""
 
     def __init__(self, stack: contextlib.ExitStack, device: torch.device, block: tuple[int, int]):
         self._stack = stack
@@ -321,6 +343,8 @@ class _Reader:
         self.device = device
         self.block = block
         self.dequantized = 0
+        self.kept = 0
+        self.quantized = 0
         self.bytes_read = 0
 
     def _h(self, file: Path) -> Any:
@@ -330,10 +354,23 @@ class _Reader:
             self._handles[file] = h
         return h
 
+    def keepable(self, part: _Part, shard: ShardIndex | None = None) -> bool:
+        """True if ``part`` is fp8 in the kernels' format (e4m3, 128 x 128 blocks) and what is read of it — its
+        canonical chunk (packed keys), the rank's ``shard`` — starts and ends on scale-block boundaries, so it can
+        stay fp8 with its own scales."""
+        if part.scale is None or part.info.dtype != "F8_E4M3" or self.block != (KERNEL_FP8_BLOCK, KERNEL_FP8_BLOCK):
+            return False
+        shape, index = part.info.shape, _source_index(part, shard)
+        for d, blk in ((len(shape) - 2, self.block[0]), (len(shape) - 1, self.block[1])):
+            sl = index[d]
+            if sl.start % blk or (sl.stop % blk and sl.stop != shape[d]):
+                return False
+        return True
+
     def read(self, part: _Part, shard: ShardIndex | None = None) -> torch.Tensor:
         """The canonical-side tensor of ``part`` (its chunk, for packed keys; the rank's ``shard`` of it, a range
-        of one dim), on ``self.device``. Only that slice is read from the file (``safe_open`` slicing), fp8
-        block scales included."""
+        of one dim), on ``self.device``; fp8 dequantized. Only that slice is read from the file (``safe_open``
+        slicing), with the scale rows/columns of the blocks it touches."""
         h = self._h(part.info.file)
         index = _source_index(part, shard)
         self.bytes_read += _slice_bytes(part.info, index)
@@ -343,6 +380,22 @@ class _Reader:
         s = self._h(part.scale.file).get_slice(part.scale.key)[fp8_scale_index(index, self.block)]
         self.dequantized += 1
         return dequantize_fp8_blockwise(w.to(self.device), s, self.block, (index[-2].start, index[-1].start))
+
+    def read_fp8(self, part: _Part, shard: ShardIndex | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(W8 float8_e4m3fn, scale fp32)`` of a :meth:`keepable` part (its chunk, for packed keys; the rank's
+        ``shard``): the weight slice and exactly the scale blocks it covers."""
+        assert part.scale is not None
+        index = _source_index(part, shard)
+        self.bytes_read += _slice_bytes(part.info, index)
+        w8 = self._h(part.info.file).get_slice(part.info.key)[index].to(self.device)
+        s = self._h(part.scale.file).get_slice(part.scale.key)[fp8_scale_index(index, self.block)]
+        self.kept += 1
+        return w8.contiguous(), s.to(device=self.device, dtype=torch.float32).contiguous()
+
+    def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Online fp8: ``w`` (any float dtype) to e4m3 + 128 x 128 block scales, on ``self.device``."""
+        self.quantized += 1
+        return quantize_fp8_block(w.to(self.device))
 
 
 def _source_index(part: _Part, shard: ShardIndex | None) -> tuple[slice, ...]:
@@ -367,23 +420,80 @@ def _slice_bytes(info: TensorInfo, index: tuple[slice, ...]) -> int:
     return n
 
 
+def _shard_parts(r: _Recipe, shard: ShardIndex) -> tuple[list[_Part], ShardIndex | None]:
+    """The parts a rank reads for recipe ``r`` and the shard of each part: the rank's experts (expert
+    parallelism), every expert's slice (the shard moved to the per-expert dims), or the one part's shard."""
+    if r.parts[0].target.kind == "expert":
+        if shard.indices is not None:
+            return [r.parts[e] for e in shard.indices], None
+        return list(r.parts), None if shard.dim is None else ShardIndex(shard.dim - 1, shard.start, shard.stop)
+    return [r.parts[0]], shard if shard.dim is not None else None
+
+
+def _check_quantization(quantization: str) -> None:
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization={quantization!r}: use auto (keep the checkpoint's fp8 weights in fp8), fp8 "
+                         "(also quantize the other projections at load) or none (dequantize to the model dtype)")
+
+
+def _load_fp8(reader: _Reader, r: _Recipe, online: bool,
+              shard: ShardIndex | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Recipe ``r`` (this rank's ``shard`` of it) as ``(W8, scale)`` when it stays fp8, else None (it then loads
+    in the model dtype).
+
+    A whole tensor stays fp8 when the checkpoint stores it in the kernels' fp8 format; with ``online`` every
+    :func:`is_fp8_linear_weight` tensor is fp8 (quantized here when the checkpoint's copy is not). A stacked
+    expert tensor is fp8 only as a whole: with some experts fp8 and some not, ``online`` quantizes the rest,
+    otherwise the stack is dequantized (one warning). A tensor-parallel shard keeps the checkpoint's fp8 only when
+    it falls on the 128 block grid (the real model's do); otherwise it is dequantized, or with ``online``
+    re-quantized on its own grid."""
+    kind = r.parts[0].target.kind
+    if not can_stay_fp8(r.name):
+        return None
+    shard = shard or ShardIndex()
+    parts, inner = _shard_parts(r, shard)
+    keep = [reader.keepable(p, inner) for p in parts]
+    if not online and not all(keep):
+        if any(keep):
+            logger.warning("%s: %d of %d parts are fp8, the rest are not; dequantizing all of it (quantization=fp8 "
+                           "would quantize the rest instead)", r.name, sum(keep), len(keep))
+        return None
+    if online and not is_fp8_linear_weight(r.name) and not all(keep):
+        return None
+    if kind != "expert":
+        part = parts[0]
+        return reader.read_fp8(part, inner) if keep[0] else reader.quantize(reader.read(part, inner))
+    local = shard.local_shape(r.shape)
+    w8 = torch.empty(local, dtype=FP8_DTYPE, device=reader.device)
+    sc = torch.empty(fp8_scale_shape(local), dtype=torch.float32, device=reader.device)
+    for e, (part, k) in enumerate(zip(parts, keep)):
+        we, se = reader.read_fp8(part, inner) if k else reader.quantize(reader.read(part, inner))
+        w8[e].copy_(we)
+        sc[e].copy_(se)
+    return w8, sc
+
+
 def load_weights(path: str | Path, cfg: ModelConfig | None = None, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, progress: bool = True,
-                 allow_missing_mtp: bool = False, sharding: WeightSharding | None = None) -> dict[str, torch.Tensor]:
+                 allow_missing_mtp: bool = False, quantization: str = "none",
+                 sharding: WeightSharding | None = None) -> dict[str, torch.Tensor]:
     """Load every canonical tensor of the checkpoint at ``path`` onto ``device``.
 
     ``cfg`` defaults to the checkpoint's own ``config.json``. Tensors are cast to ``dtype`` except
-    the fp32 set (:func:`glm5.weights.is_fp32_weight`); fp8 block-quantized weights are
-    dequantized first. Routed experts come back stacked. With ``allow_missing_mtp=True`` a
-    checkpoint without the config's MTP layers loads (and the MTP names are absent from the
-    result); MTP tensors that are present are always returned. Raises :class:`CheckpointError`
-    listing every problem if the checkpoint does not match ``cfg``.
+    the fp32 set (:func:`glm5.weights.is_fp32_weight`). fp8 block-quantized weights are dequantized
+    (``quantization="none"``) or kept as fp8 with their scales under ``<name>_scale_inv``
+    (``"auto"``; ``"fp8"`` also quantizes the other projections): see the module docstring. Routed
+    experts come back stacked (fp8 stacks with stacked ``[E, ...]`` scales). With
+    ``allow_missing_mtp=True`` a checkpoint without the config's MTP layers loads (and the MTP names
+    are absent from the result); MTP tensors that are present are always returned. Raises
+    :class:`CheckpointError` listing every problem if the checkpoint does not match ``cfg``.
 
     ``sharding`` (tensor / expert parallelism): load only this rank's slice of every tensor
-    (:mod:`glm5.distributed.sharding`) — each slice is read from the file on its own, so a sharded weight is
-    never whole in host memory; under expert parallelism only the rank's experts are opened. The progress bar
-    (rank 0) counts the bytes this rank reads.
+    (:mod:`glm5.distributed.sharding`) — each slice is read from the file on its own, fp8 scales with it, so a
+    sharded weight is never whole in host memory; under expert parallelism only the rank's experts are opened.
+    The progress bar (rank 0) counts the bytes this rank reads.
     """
+    _check_quantization(quantization)
     path = Path(path)
     if cfg is None:
         cfg = ModelConfig.from_pretrained(path if path.is_dir() else path.parent)
@@ -394,24 +504,29 @@ def load_weights(path: str | Path, cfg: ModelConfig | None = None, device: str |
     dev = torch.device(device)
     out: dict[str, torch.Tensor] = {}
     total = 0
-    block = _fp8_block(cfg)
-    to_read = sum(_recipe_bytes(r, sharding) for r in recipes)
     show = progress and (sharding is None or sharding.ranks.is_driver)
     with contextlib.ExitStack() as stack:
-        reader = _Reader(stack, dev, block)
-        bar = tqdm(total=to_read, desc=f"loading {path.name or path}", unit="B", unit_scale=True,
-                   unit_divisor=1024, disable=not show, leave=False)
+        reader = _Reader(stack, dev, _fp8_block(cfg))
+        bar = tqdm(total=sum(_recipe_bytes(r, sharding) for r in recipes), desc=f"loading {path.name or path}",
+                   unit="B", unit_scale=True, unit_divisor=1024, disable=not show, leave=False)
         for r in recipes:
             want = torch.float32 if is_fp32_weight(r.name) else dtype
             shard = sharding.index(r.name, r.shape) if sharding is not None else ShardIndex()
             before = reader.bytes_read
-            out[r.name] = t = _load_recipe(reader, r, shard, want, dev)
-            total += t.numel() * t.element_size()
+            fp8 = None if quantization == "none" else _load_fp8(reader, r, quantization == "fp8", shard)
+            if fp8 is not None:
+                out[r.name], out[r.name + SCALE_SUFFIX] = fp8
+                total += fp8[0].numel() + fp8[1].numel() * 4
+            else:
+                out[r.name] = t = _load_recipe(reader, r, shard, want, dev)
+                total += t.numel() * t.element_size()
             bar.update(reader.bytes_read - before)
         bar.close()
-    logger.info("loaded %d tensors (%.2f GiB, %s) from %d file(s) in %s in %.1fs%s%s", len(out), total / 2**30,
-                dtype, len(files), path, time.perf_counter() - t0,
-                f"; dequantized {reader.dequantized} fp8 tensors" if reader.dequantized else "",
+    fp8_note = ", ".join(f"{what} {n} fp8 tensors" for what, n in (
+        ("kept", reader.kept), ("quantized", reader.quantized), ("dequantized", reader.dequantized)) if n)
+    logger.info("loaded %d tensors (%.2f GiB, %s, quantization=%s) from %d file(s) in %s in %.1fs%s%s", len(out),
+                total / 2**30, dtype, quantization, len(files), path, time.perf_counter() - t0,
+                f"; {fp8_note}" if fp8_note else "",
                 f"; rank {sharding.ranks.rank}/{sharding.ranks.world_size} shard" if sharding is not None else "")
     return out
 
@@ -419,17 +534,13 @@ def load_weights(path: str | Path, cfg: ModelConfig | None = None, device: str |
 def _load_recipe(reader: _Reader, r: _Recipe, shard: ShardIndex, want: torch.dtype, dev: torch.device) -> torch.Tensor:
     """One canonical tensor (this rank's ``shard`` of it) in dtype ``want``; vocab padding rows are zeros."""
     local = shard.local_shape(r.shape)
+    parts, inner = _shard_parts(r, shard)
     if r.parts[0].target.kind == "expert":
         t = torch.empty(local, dtype=want, device=dev)
-        if shard.indices is not None:        # expert parallelism: the rank's experts, in its physical order
-            for j, e in enumerate(shard.indices):
-                t[j].copy_(reader.read(r.parts[e]))
-        else:                                # whole experts, or each expert's intermediate slice
-            inner = None if shard.dim is None else ShardIndex(shard.dim - 1, shard.start, shard.stop)
-            for e, part in enumerate(r.parts):
-                t[e].copy_(reader.read(part, inner))
+        for j, part in enumerate(parts):     # the rank's experts in its physical order, or each expert's slice
+            t[j].copy_(reader.read(part, inner))
         return t
-    t = reader.read(r.parts[0], shard if shard.dim is not None else None).to(dtype=want)
+    t = reader.read(parts[0], inner).to(dtype=want)
     if tuple(t.shape) != local:              # a vocab-parallel shard past the last row: zero padding
         pad = torch.zeros(local, dtype=want, device=dev)
         pad.narrow(shard.dim, 0, t.shape[shard.dim]).copy_(t)
@@ -439,16 +550,12 @@ def _load_recipe(reader: _Reader, r: _Recipe, shard: ShardIndex, want: torch.dty
 
 def _recipe_bytes(r: _Recipe, sharding: WeightSharding | None) -> int:
     """Bytes the load of ``r`` reads (this rank's slice of every part; fp8 scales not counted)."""
-    per_part = [ST_DTYPES[p.info.dtype][1] for p in r.parts]
     if sharding is None:
         return sum(p.info.nbytes for p in r.parts)
     shard = sharding.index(r.name, r.shape)
     if shard.indices is not None:
         return sum(r.parts[e].info.nbytes for e in shard.indices)
-    n = 1
-    for s in shard.local_shape(r.shape):
-        n *= s
-    return n * per_part[0]
+    return math.prod(shard.local_shape(r.shape)) * ST_DTYPES[r.parts[0].info.dtype][1]
 
 
 def check_checkpoint(path: str | Path, cfg: ModelConfig | None = None, allow_missing_mtp: bool = False) -> int:

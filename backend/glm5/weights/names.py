@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from glm5.config import MlpKind, ModelConfig, TextConfig, VisionConfig
+from glm5_kernels.fp8_ref import SCALE_SUFFIX  # noqa: F401  (re-exported: "x.weight" -> "x.weight_scale_inv")
 
 Shape = tuple[int, ...]
 
@@ -42,6 +43,35 @@ def is_fp32_weight(name: str) -> bool:
 
 #: Canonical names of the stacked routed-expert tensors end with one of these (no ``.weight``).
 EXPERT_PROJS: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+
+
+# The text model's projections: what online fp8 quantisation (quantization="fp8") stores in fp8. Left in the
+# model dtype on purpose: the router (routing is a comparison of scores), embeddings and LM head (the published
+# fp8 checkpoint keeps them bf16), the indexer's head weights and kpool compression gate (they steer top-k
+# selection; 32 and 128 rows, a few hundred KB per layer), norms, convolutions and the vision tower.
+_FP8_LINEAR_RE = re.compile(
+    r"^layers\.\d+\.(?:"
+    r"self_attn\.(?:q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|q_proj|k_proj|v_proj|f_a_proj|f_b_proj"
+    r"|g_a_proj|g_b_proj|b_proj|indexer\.wq_b|indexer\.wk)\.weight"
+    r"|mlp\.(?:shared_experts\.)?(?:gate_proj|up_proj|down_proj)\.weight"
+    r"|mlp\.experts\.(?:gate_proj|up_proj|down_proj)"
+    r"|eh_proj\.weight)$")
+
+
+_LINEAR_ONLY_RE = re.compile(r"^(?:lm_head\.weight|layers\.\d+\.self_attn\.indexer\.weights_proj\.weight)$")
+
+
+def is_fp8_linear_weight(name: str) -> bool:
+    """True if online fp8 quantisation stores the canonical tensor ``name`` as block-scaled fp8 (see
+    :data:`_FP8_LINEAR_RE` for what stays in the model dtype and why)."""
+    return _FP8_LINEAR_RE.match(name) is not None
+
+
+def can_stay_fp8(name: str) -> bool:
+    """True if the engine applies ``name`` through a :class:`glm5.layers.linear.Linear` (or the fused MoE), so an
+    fp8 copy in the checkpoint can stay fp8: the online set plus the LM head and the indexer's head weights.
+    Anything else a checkpoint stores in fp8 (an embedding, the router) is dequantized at load."""
+    return is_fp8_linear_weight(name) or _LINEAR_ONLY_RE.match(name) is not None
 
 
 # ---------------------------------------------------------------------------------------------

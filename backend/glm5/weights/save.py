@@ -17,21 +17,28 @@ import torch
 from safetensors.torch import save_file
 
 from glm5.weights.files import INDEX_FILE, SINGLE_FILE
-from glm5.weights.names import original_checkpoint_key
+from glm5.weights.names import SCALE_SUFFIX, original_checkpoint_key
 
 _EXPERT_RE = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
+# fp8 block scales of a stacked expert tensor ([E, ...]): saved per expert beside each expert's weight
+_EXPERT_SCALE_RE = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)" + SCALE_SUFFIX + "$")
 _CONV_RE = re.compile(r"^(layers\.\d+\.self_attn)\.([qkv])_conv1d\.weight$")
 _HC_RE = re.compile(r"^(layers\.\d+)\.hc_(attn|ffn)_(fn|base|scale)$")
-_FORGET_RE = re.compile(r"^(layers\.\d+\.self_attn)\.(f_a_proj\.weight|f_b_proj\.weight|dt_bias|A_log)$")
+_FORGET_RE = re.compile(r"^(layers\.\d+\.self_attn)\.(f_[ab]_proj\.weight(?:_scale_inv)?|dt_bias|A_log)$")
 
 
 def to_original_layout(weights: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(checkpoint key, tensor)`` in the original layout: per-expert ``.weight`` keys, prefixes."""
+    """Yield ``(checkpoint key, tensor)`` in the original layout: per-expert ``.weight`` keys (and
+    ``.weight_scale_inv`` for fp8 experts), prefixes."""
     for name, t in weights.items():
         m = _EXPERT_RE.match(name)
+        ms = _EXPERT_SCALE_RE.match(name)
         if m:
             for e in range(t.shape[0]):
                 yield original_checkpoint_key(f"{m.group(1)}.{e}.{m.group(2)}.weight"), t[e]
+        elif ms:
+            for e in range(t.shape[0]):
+                yield original_checkpoint_key(f"{ms.group(1)}.{e}.{ms.group(2)}.weight{SCALE_SUFFIX}"), t[e]
         else:
             yield original_checkpoint_key(name), t
 
@@ -43,11 +50,16 @@ def to_packed_layout(weights: dict[str, torch.Tensor]) -> Iterator[tuple[str, to
     for name, t in weights.items():
         if name in done:
             continue
-        m = _EXPERT_RE.match(name)
+        m = _EXPERT_RE.match(name) or _EXPERT_SCALE_RE.match(name)
         if m and m.group(2) in ("gate_proj", "up_proj"):
-            gate, up = weights[f"{m.group(1)}.gate_proj"], weights[f"{m.group(1)}.up_proj"]
-            done.update({f"{m.group(1)}.gate_proj", f"{m.group(1)}.up_proj"})
-            yield original_checkpoint_key(f"{m.group(1)}.gate_up_proj"), torch.cat([gate, up], dim=1)
+            sfx = SCALE_SUFFIX if name.endswith(SCALE_SUFFIX) else ""
+            gate, up = weights[f"{m.group(1)}.gate_proj{sfx}"], weights[f"{m.group(1)}.up_proj{sfx}"]
+            if sfx and weights[f"{m.group(1)}.gate_proj"].shape[1] % 128:
+                raise ValueError(f"{m.group(1)}: fp8 experts with {weights[m.group(1) + '.gate_proj'].shape[1]} "
+                                 "rows per projection cannot be packed (gate_up_proj's 128-row scale blocks would "
+                                 "straddle gate and up); save in the original layout")
+            done.update({f"{m.group(1)}.gate_proj{sfx}", f"{m.group(1)}.up_proj{sfx}"})
+            yield original_checkpoint_key(f"{m.group(1)}.gate_up_proj{sfx}"), torch.cat([gate, up], dim=1)
             continue
         m = _CONV_RE.match(name)
         if m:

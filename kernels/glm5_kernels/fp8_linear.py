@@ -1,0 +1,403 @@
+"""Block-scaled fp8 linears on the GPU: an fp8 GEMV / small-M GEMM, activation quantisation, a w8a8 GEMM.
+
+Weights are ``float8_e4m3fn [N, K]`` with fp32 scales per 128 x 128 tile (:mod:`glm5_kernels.fp8_ref` defines
+the format and the references). Three ways to multiply, chosen per shape (:func:`select_impl`):
+
+* ``gemv`` - :func:`fp8_gemv` (W8A16): the activation stays in its dtype; each program streams a
+  ``[BLOCK_N, K]`` strip of fp8 weights, folds the weight scales into the activation tile
+  (``x[:, k] · s[n_blk, k // 128]``: one scale per 128 columns, and a ``BLOCK_N <= 128`` strip lies in one
+  scale row) and runs ``tl.dot`` on the fp8 values widened to the activation dtype, fp32 accumulation.
+  Decode reads one byte per weight instead of two; ``SPLIT_K`` > 1 splits K over programs (fp32 partial
+  sums, added in a second step) when there are too few N strips to keep every SM streaming. A head grid
+  dimension serves MLA's per-head ``kv_b_proj`` views (:func:`fp8_head_linear`).
+* ``scaled_mm`` - ``torch._scaled_mm`` with DeepSeek-style block scaling (w8a8): the activation is quantised
+  per token and 128-channel group by :func:`per_token_group_quant_fp8` (scales written column-major, M padded
+  to a multiple of 4, the layout cuBLAS wants); compute-efficient at large M.
+* ``w8a8`` - :func:`w8a8_gemm`, a Triton fp8 x fp8 GEMM with the same quantised activations (any N, K: the
+  KDA input projection's 24896 rows are not a multiple of 128, which ``_scaled_mm`` refuses).
+
+Selection: a measured table ``configs/fp8_linear_{device}.json`` (written by ``bench/fp8_check.py --write-table``)
+keyed by ``"N,K"`` then by M (nearest M wins), else :func:`default_impl`. Every path is free of host syncs
+and allocates only with shapes known on the host, so it is CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from glm5_kernels.fp8_ref import BLOCK, FP8_DTYPE, FP8_MAX, MIN_AMAX
+
+logger = logging.getLogger(__name__)
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+IMPLS = ("gemv", "scaled_mm", "w8a8")
+GEMV_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
+W8A8_KEYS = ("BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages")
+#: Largest M the default sends to the GEMV kernel: beyond it the w8a8 GEMMs (quantised activations, fp8
+#: tensor cores) win on the H200 measurements in the reference doc (``_scaled_mm`` 1.5-1.6x bf16 at M=4096).
+GEMV_MAX_M = 64
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr,
+                     M, N, K,
+                     stride_xm, stride_xg, stride_wg, stride_wn, stride_sg, stride_sn, stride_yk, stride_ym,
+                     stride_yg,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                     SB: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+    """y[m, g, n] (+ split k's partial) = Σ_k x[m, g, k] · w[g, n, k] · s[g, n // SB, k // SB] (+ bias[n]).
+
+    Grid: (cdiv(M, BLOCK_M) · cdiv(N, BLOCK_N), SPLIT_K, G). BLOCK_N divides SB, so a strip has one scale row."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    g = tl.program_id(2).to(tl.int64)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_blk = (pid_n * BLOCK_N) // SB
+    # rows past N wrap onto valid weight rows (their results are never stored): no mask on the weight rows
+    x_base = x_ptr + g * stride_xg + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_base = w_ptr + g * stride_wg + (offs_n % N).to(tl.int64)[None, :] * stride_wn
+    s_base = s_ptr + g * stride_sg + n_blk * stride_sn
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, k_tiles)):
+        kk = kt * BLOCK_K + offs_k
+        if EVEN_K:
+            a = tl.load(x_base + kk[None, :], mask=m_ok[:, None], other=0.0)
+            b = tl.load(w_base + kk[:, None])
+            sc = tl.load(s_base + kk // SB)
+        else:
+            k_ok = kk < K
+            a = tl.load(x_base + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_base + kk[:, None], mask=k_ok[:, None], other=0.0)
+            sc = tl.load(s_base + kk // SB, mask=k_ok, other=0.0)
+        a = (a.to(tl.float32) * sc[None, :]).to(x_ptr.dtype.element_ty)
+        if IEEE:
+            acc = tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b.to(x_ptr.dtype.element_ty), acc)
+    if HAS_BIAS:
+        if pid_k == 0:
+            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + pid_k * stride_yk + g * stride_yg + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sk,
+                        GROUP: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_AMAX_: tl.constexpr):
+    """Per (token, 128-channel group): s = max(|x|) / 448, q = e4m3(x / s). Grid (M, cdiv(K, GROUP))."""
+    row = tl.program_id(0).to(tl.int64)
+    grp = tl.program_id(1)
+    offs = grp * GROUP + tl.arange(0, GROUP)
+    ok = offs < K
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX_)
+    s = amax / FP8_MAX_
+    q = tl.clamp(x / s, -FP8_MAX_, FP8_MAX_)
+    tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + row * stride_sm + grp * stride_sk, s)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8a8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, M, N, K,
+                      stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                      HAS_BIAS: tl.constexpr):
+    """c = Σ over 128-wide K blocks of (a8 · b8ᵀ) · a_scale[m, kb] · b_scale[n // 128, kb] (+ bias).
+    BLOCK_K = 128 (one scale per K step); BLOCK_N divides 128 (one b scale per tile)."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_safe = (offs_m % M).to(tl.int64)
+    a_ptrs = a_ptr + m_safe[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + (offs_n % N).to(tl.int64)[None, :] * stride_bn + offs_k[:, None]
+    as_ptrs = as_ptr + m_safe * stride_asm
+    bs_ptrs = bs_ptr + ((pid_n * BLOCK_N) // BLOCK_K) * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        sa = tl.load(as_ptrs + kb * stride_ask)
+        sb = tl.load(bs_ptrs + kb)
+        acc += tl.dot(a, b) * sa[:, None] * sb
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# configs
+# ----------------------------------------------------------------------------------------------
+
+def default_gemv_config(m: int, n: int, k: int, groups: int = 1, num_sms: int = 132) -> dict[str, Any]:
+    """GEMV tiles when the table has none: 16-row M tiles (the tl.dot minimum), narrow N strips when N is small
+    so that there are about two strips per SM, and a K split only when even the narrowest strips are too few."""
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    tiles_m = triton.cdiv(m, bm)
+    bn = 64
+    while bn > 16 and tiles_m * groups * triton.cdiv(n, bn) < 2 * num_sms:
+        bn //= 2
+    programs = tiles_m * groups * triton.cdiv(n, bn)
+    bk = 256 if k >= 1024 else max(16, min(128, triton.next_power_of_2(k)))
+    split = 1
+    while programs * split < num_sms and triton.cdiv(k, bk) // (2 * split) >= 4:
+        split *= 2
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": 4, "num_stages": 4}
+
+
+def default_w8a8_config(m: int, n: int) -> dict[str, Any]:
+    bm = 64 if m <= 256 else 128
+    return {"BLOCK_M": bm, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8 if bm == 128 else 4, "num_stages": 3}
+
+
+def default_impl(m: int, n: int, k: int, dtype: torch.dtype) -> dict[str, Any]:
+    """``gemv`` up to :data:`GEMV_MAX_M` rows (and always for fp32 activations: the w8a8 paths would quantise
+    them), else ``scaled_mm`` when N and K are multiples of 128 and this torch's ``_scaled_mm`` takes block
+    scales, else the Triton ``w8a8`` GEMM."""
+    if m <= GEMV_MAX_M or dtype == torch.float32:
+        return {"impl": "gemv", **default_gemv_config(m, n, k)}
+    if n % BLOCK == 0 and k % BLOCK == 0 and dtype == torch.bfloat16 and scaled_mm_block_supported():
+        return {"impl": "scaled_mm"}
+    return {"impl": "w8a8", **default_w8a8_config(m, n)}
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index).replace(" ", "_")
+
+
+def table_file_name(device_name: str) -> str:
+    return f"fp8_linear_{device_name}.json"
+
+
+def validate_entry(entry: dict[str, Any]) -> None:
+    """Raise ValueError naming the bad key of one table entry."""
+    impl = entry.get("impl")
+    if impl not in IMPLS:
+        raise ValueError(f"fp8_linear table entry {entry}: impl must be one of {IMPLS}")
+    keys = GEMV_KEYS if impl == "gemv" else W8A8_KEYS if impl == "w8a8" else ()
+    for key in keys:
+        v = entry.get(key)
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"fp8_linear table entry {entry}: {key}={v!r} must be a positive int")
+    if impl in ("gemv", "w8a8") and (entry["BLOCK_N"] > BLOCK or BLOCK % entry["BLOCK_N"]):
+        raise ValueError(f"fp8_linear table entry {entry}: BLOCK_N must divide {BLOCK} (one scale row per strip)")
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(device_name: str) -> dict[tuple[int, int], tuple[tuple[int, dict[str, Any]], ...]]:
+    """``{(N, K): sorted ((M, entry), ...)}`` from the measured table, or ``{}`` when there is none."""
+    path = CONFIG_DIR / table_file_name(device_name)
+    if not path.exists():
+        logger.info("no fp8 linear table %s; using the default choice per shape", path.name)
+        return {}
+    raw = json.loads(path.read_text())
+    out: dict[tuple[int, int], tuple[tuple[int, dict[str, Any]], ...]] = {}
+    for shape, per_m in raw.items():
+        if shape.startswith("_"):
+            continue
+        n, k = (int(v) for v in shape.split(","))
+        rows = []
+        for m, entry in per_m.items():
+            validate_entry(entry)
+            rows.append((int(m), entry))
+        out[(n, k)] = tuple(sorted(rows, key=lambda r: r[0]))
+    logger.info("fp8_linear: loaded choices for %d shapes from %s", len(out), path.name)
+    return out
+
+
+def select_impl(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+    """The table's entry for ``(N, K)`` at the nearest M (ties: the smaller), else :func:`default_impl`.
+    A ``scaled_mm`` entry this torch cannot run, or fp32 activations, fall back to the default."""
+    rows = load_table(_device_name(device.index)).get((n, k)) if device.type == "cuda" else None
+    if rows and dtype != torch.float32:
+        _, entry = min(rows, key=lambda r: (abs(r[0] - m), r[0]))
+        if entry["impl"] != "scaled_mm" or scaled_mm_block_supported():
+            return dict(entry)
+    return default_impl(m, n, k, dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+
+def _gemv(x3: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None, cfg: dict[str, Any],
+          out_dtype: torch.dtype) -> torch.Tensor:
+    """x3 [M, G, K], w [G, N, K] fp8, s [G, nb, kb] → [M, G, N]."""
+    m, groups, k = x3.shape
+    n = w.shape[1]
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    bk = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(k)))
+    split = max(1, min(cfg["SPLIT_K"], triton.cdiv(k, bk)))
+    if w.stride(-1) != 1 or x3.stride(-1) != 1 or s.stride(-1) != 1:
+        raise ValueError("fp8_gemv needs unit stride along K for x, the weight and its scales")
+    if split == 1:
+        y = torch.empty(m, groups, n, device=x3.device, dtype=out_dtype)
+        stride_yk = 0
+    else:
+        y = torch.empty(split, m, groups, n, device=x3.device, dtype=torch.float32)
+        stride_yk = y.stride(0)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split, groups)
+    _fp8_gemv_kernel[grid](
+        x3, w, s, y if split == 1 else y, bias if bias is not None else s, m, n, k,
+        x3.stride(0), x3.stride(1), w.stride(0), w.stride(1), s.stride(0), s.stride(1), stride_yk,
+        y.stride(-3), y.stride(-2),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SB=BLOCK, HAS_BIAS=bias is not None,
+        EVEN_K=k % bk == 0, IEEE=x3.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return y if split == 1 else y.sum(0).to(out_dtype)
+
+
+def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+             config: dict[str, Any] | None = None) -> torch.Tensor:
+    """W8A16 ``x [..., K] @ dequant(w, scale)ᵀ (+ bias)`` → ``[..., N]`` in ``x.dtype`` (any M; fastest small)."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    n = w.shape[0]
+    cfg = config or default_gemv_config(x2.shape[0], n, k)
+    y = _gemv(x2.unsqueeze(1), w.unsqueeze(0), scale.unsqueeze(0), bias, cfg, x.dtype)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def fp8_head_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                    config: dict[str, Any] | None = None) -> torch.Tensor:
+    """Per-head W8A16: ``x [M, G, K]``, ``w [G, N, K]`` fp8, ``scale [G, ceil(N/128), ceil(K/128)]`` → ``[M, G, N]``
+    (reference :func:`glm5_kernels.fp8_ref.fp8_head_linear_ref`)."""
+    m, groups, k = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cfg = config or default_gemv_config(m, w.shape[1], k, groups)
+    return _gemv(x, w, scale, None, cfg, x.dtype)
+
+
+def per_token_group_quant_fp8(x: torch.Tensor, group: int = BLOCK, column_major: bool = False,
+                              pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` → ``(x8 e4m3 [M', K], scale fp32 [M', ceil(K/group)])``, ``M'`` = M rounded up to
+    ``pad_rows_to`` (padding rows are zeros with the minimum scale). ``column_major`` lays the scales out as
+    ``torch._scaled_mm``'s block scaling wants (``[kb, M'].t()``). Reference: :func:`~glm5_kernels.fp8_ref.
+    per_token_group_quant_fp8_ref` (same rounding rule)."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"per_token_group_quant_fp8 takes a row-major [M, K] tensor, got {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+    m, k = x.shape
+    mp = triton.cdiv(m, pad_rows_to) * pad_rows_to
+    kb = triton.cdiv(k, group)
+    q = torch.empty(mp, k, device=x.device, dtype=FP8_DTYPE)
+    s = torch.empty(kb, mp, device=x.device, dtype=torch.float32).t() if column_major else \
+        torch.empty(mp, kb, device=x.device, dtype=torch.float32)
+    if mp > m:
+        q[m:].zero_()
+        s[m:].fill_(MIN_AMAX / FP8_MAX)
+    if m:
+        _group_quant_kernel[(m, kb)](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+                                     GROUP=group, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX, num_warps=1)
+    return q, s
+
+
+def w8a8_gemm(x8: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
+              bias: torch.Tensor | None = None, config: dict[str, Any] | None = None) -> torch.Tensor:
+    """``x8 [M, K]`` e4m3 with ``xs [M, ceil(K/128)]`` times ``w [N, K]`` e4m3 with ``scale`` → ``[M, N]``."""
+    m, k = x8.shape
+    n = w.shape[0]
+    cfg = config or default_w8a8_config(m, n)
+    c = torch.empty(m, n, device=x8.device, dtype=out_dtype)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _w8a8_gemm_kernel[grid](x8, xs, w, scale, c, bias if bias is not None else scale, m, n, k,
+                            x8.stride(0), xs.stride(0), xs.stride(1), w.stride(0), scale.stride(0), c.stride(0),
+                            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK, GROUP_M=cfg["GROUP_M"],
+                            HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return c
+
+
+def scaled_mm_linear(x2: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch._scaled_mm`` with block scales (1 x 128 activations, 128 x 128 weights): ``x2 [M, K]`` bf16 →
+    ``[M, N]`` bf16. N and K must be multiples of 128."""
+    m = x2.shape[0]
+    x8, xs = per_token_group_quant_fp8(x2, column_major=True, pad_rows_to=4)
+    y = torch._scaled_mm(x8, w.t(), scale_a=xs, scale_b=scale.t(), out_dtype=x2.dtype)
+    y = y[:m]
+    return y if bias is None else y + bias
+
+
+@functools.lru_cache(maxsize=1)
+def scaled_mm_block_supported() -> bool:
+    """Whether this torch/cuBLAS runs ``_scaled_mm`` with 1x128 / 128x128 block scales (probed once on a small
+    problem, eagerly: the first fp8 linear runs before any CUDA-graph capture)."""
+    if not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
+        return False
+    try:
+        dev = torch.device("cuda")
+        x = torch.randn(4, 256, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(256, 256, device=dev).to(FP8_DTYPE)
+        s = torch.ones(2, 2, device=dev)
+        y = scaled_mm_linear(x, w, s)
+        torch.cuda.synchronize()
+        return tuple(y.shape) == (4, 256)
+    except Exception as e:  # unsupported scaling mode on this torch / GPU
+        logger.info("torch._scaled_mm block scaling unavailable (%s: %s); fp8 linears use the Triton kernels",
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return False
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+               impl: dict[str, Any] | None = None) -> torch.Tensor:
+    """``x [..., K] @ dequant(w, scale)ᵀ (+ bias)`` → ``[..., N]`` in ``x.dtype`` through the implementation
+    :func:`select_impl` picks for this shape (or ``impl``, e.g. ``{"impl": "scaled_mm"}``)."""
+    k = x.shape[-1]
+    n = w.shape[0]
+    if w.shape[1] != k:
+        raise ValueError(f"fp8_linear: x has {k} features but the weight is {tuple(w.shape)}")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    choice = impl or select_impl(m, n, k, x.dtype, x.device)
+    kind = choice["impl"]
+    if m == 0:
+        y = x2.new_empty(0, n)
+    elif kind == "gemv":
+        y = _gemv(x2.unsqueeze(1), w.unsqueeze(0), scale.unsqueeze(0), bias, choice, x.dtype).squeeze(1)
+    elif kind == "scaled_mm":
+        y = scaled_mm_linear(x2, w, scale, bias)
+    else:
+        x8, xs = per_token_group_quant_fp8(x2)
+        y = w8a8_gemm(x8, xs, w, scale, x.dtype, bias, choice)
+    return y.reshape(*x.shape[:-1], n)
+
+
+__all__ = ["CONFIG_DIR", "GEMV_MAX_M", "IMPLS", "default_gemv_config", "default_impl", "default_w8a8_config",
+           "fp8_gemv", "fp8_head_linear", "fp8_linear", "load_table", "per_token_group_quant_fp8",
+           "scaled_mm_block_supported", "scaled_mm_linear", "select_impl", "table_file_name", "validate_entry",
+           "w8a8_gemm"]
