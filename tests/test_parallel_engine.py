@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from glm5.engine import AsyncLLMEngine, EngineArgs, LLMEngine
+from glm5.engine.errors import EngineDeadError
 from glm5.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -151,7 +152,7 @@ def test_killed_worker_fails_in_flight_requests_and_leaves_no_process(tp2_async)
     stream = tp2_async.add_request("long", list(range(5, 60)), SamplingParams(temperature=0.0, max_tokens=400,
                                                                               ignore_eos=True))
     got = []
-    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) was killed by signal 9"):
+    with pytest.raises(EngineDeadError, match=r"worker rank 1 \(pid \d+\) was killed by signal 9"):
         for out in stream:
             got.extend(out.token_ids)
             if len(got) >= 3:
@@ -160,7 +161,7 @@ def test_killed_worker_fails_in_flight_requests_and_leaves_no_process(tp2_async)
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids)
-    with pytest.raises(RuntimeError, match="engine loop died"):
+    with pytest.raises(EngineDeadError, match="the engine is dead"):
         tp2_async.add_request("after", [1, 2, 3], greedy())
     tp2_async.shutdown()
     workers_left = [c for c in children(os.getpid())
@@ -199,3 +200,23 @@ def test_a_split_that_does_not_divide_fails_before_any_process_starts(tiny_check
     with pytest.raises(ParallelConfigError, match="tensor_parallel_size=3 does not divide num_attention_heads=4"):
         LLMEngine(EngineArgs(model=str(tiny_checkpoint_dir), tensor_parallel_size=3, **SETTINGS))
     assert children(os.getpid()) == before
+
+
+def test_a_worker_dying_while_idle_stops_the_engine_before_the_next_request(tiny_checkpoint_dir):
+    eng = AsyncLLMEngine(EngineArgs(model=str(tiny_checkpoint_dir), tensor_parallel_size=2, **SETTINGS))
+    try:
+        pids = eng.engine.runner.worker_pids()
+        os.kill(pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                eng.add_request("probe", [1, 2, 3], greedy())
+            except EngineDeadError as e:
+                assert "worker rank 1" in str(e)
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the engine kept accepting requests after its worker died")
+    finally:
+        eng.shutdown()
+    assert not any(alive(p) for p in pids)

@@ -249,6 +249,9 @@ class AsyncLLMEngine:
                         self._handle(self._cmds.get_nowait())
                     except queue.Empty:
                         break
+                fatal = getattr(self.engine, "fatal_error", None)
+                if fatal is not None and fatal() is not None:  # e.g. a worker died while the engine was idle
+                    raise fatal()
                 if not self.engine.has_unfinished():
                     self._stats = self.engine.stats()
                     self._wake.wait(timeout=0.5)

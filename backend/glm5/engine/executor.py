@@ -50,6 +50,7 @@ from glm5.distributed.parallel_state import (abort_process_groups, build_context
                                             join_world)
 from glm5.distributed.sharding import WeightSharding
 from glm5.engine.cuda_graph import DecodeRows
+from glm5.engine.errors import EngineDeadError
 from glm5.engine.model_runner import ModelRunner, PackedStep
 from glm5.engine.scheduler import SchedulerOutput
 from glm5.engine.sequence import Sequence
@@ -64,11 +65,12 @@ READY_PREFIX = "glm5/ready/"
 STARTUP_TIMEOUT_S = float(os.environ.get("GLM5_STARTUP_TIMEOUT_S", "600"))
 
 
-class ExecutorError(RuntimeError):
+class ExecutorError(EngineDeadError):
     """The distributed executor cannot run the model any more: a worker died or failed, or the process group
-    broke. Unrecoverable for this engine — requests in flight fail, and the engine (the Triton model) must be
-    restarted. Raised from every engine call that needs the workers, with the worker's exit code and the tail of
-    its log when it is known."""
+    broke. Unrecoverable for this engine — an :class:`~glm5.engine.errors.EngineDeadError`, so the engine does
+    not retry the step's requests, fails those in flight, and the server goes down for its supervisor to restart
+    it. Raised from every engine call that needs the workers, with the worker's exit code and the tail of its log
+    when it is known."""
 
 
 @dataclass

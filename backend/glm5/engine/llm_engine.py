@@ -549,6 +549,11 @@ class LLMEngine:
             del self._requests[seq.request_id]
         return self._output(st, accepted, text, finished, lps or None)
 
+    def fatal_error(self) -> BaseException | None:
+        """An unrecoverable failure the engine already knows of between steps (a distributed engine's worker
+        that exited), so that an idle server stops serving at once instead of at its next request."""
+        return getattr(self.runner, "failure", None)
+
     def shutdown(self) -> None:
         """Release what the engine holds outside this process: the distributed executor's workers and process
         group (a single-device engine holds nothing; idempotent)."""
