@@ -2,8 +2,8 @@
 
 Every run uses the tiny checkpoint (every parameter random) with chunked prefill (16-token budget) and a cache
 small enough that requests are preempted, and compares greedy tokens with one single-process reference run. One
-engine per layout: TP=2 (through the async engine, then a worker is killed), TP=4, TP=2 + EP with the all-to-all
-dispatch and MTP drafts, EP alone (TP=1, EP=2) with EPLB rebalancing, and two "machines" (the second a separate
+engine per layout: TP=2 (through the async engine, then a worker is killed), TP=4 (then prefix-cache hits), TP=2 + EP
+with the all-to-all dispatch and MTP drafts, EP alone (TP=1, EP=2) with EPLB rebalancing, and two "machines" (the second a separate
 process tree started by ``glm5 worker``). After each engine no worker process is left.
 """
 
@@ -80,6 +80,10 @@ def test_tp4_matches_single_process(tiny_checkpoint_dir, reference):
     try:
         assert tokens == reference
         assert eng.stats().preempted_total > 0
+        # the same prompts again: prefix-cache hits resume from state snapshots, which every rank holds for its
+        # own KDA heads (the driver's snapshot copies are replayed on the workers)
+        assert [o.token_ids for o in eng.generate(PROMPTS, greedy())] == reference
+        assert sum(eng.kv.hits_by_kind.values()) > 0
     finally:
         shut_and_check(eng)
 
