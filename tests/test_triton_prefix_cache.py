@@ -16,7 +16,7 @@ import pytest
 from glm5.serving.launcher import TritonServerProcess
 
 ENGINE_SETTINGS = {"cache_memory_gb": "0.05", "max_num_seqs": "8", "max_model_len": "1024", "block_size": "16",
-                   "prefix_cache_snapshot_memory_gb": "0.05"}
+                   "prefix_cache_snapshot_memory_gb": "0.01"}
 GREEDY = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
 SYSTEM = ("You are a careful assistant. Answer briefly and precisely, cite the document when you can, "
           "and say so when the document does not contain the answer. Document: the river rises in the "
