@@ -274,3 +274,37 @@ def test_fused_moe_expert_map_interpreter_cpu():
         [str(ROOT / "kernels"), str(ROOT / "backend"), os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("inter,kept", [(256, True), (320, False)])
+def test_fp8_shards_stay_fp8_on_the_block_grid(tmp_path, inter, kept):
+    """quantization=auto: a TP shard on the 128 grid keeps the checkpoint's e4m3 slice and exactly its scale
+    blocks; a shard off the grid (320 / 2 = 160 rows) is dequantized instead, to the same values."""
+    from safetensors.torch import load_file, save_file
+
+    text = dict(TEXT, intermediate_size=inter)
+    cfg = ModelConfig.from_dict({"model_type": "glm5_next", "text_config": text})
+    save_weights(dummy_weights(cfg, dtype=torch.float32, seed=2), tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "glm5_next", "text_config": %s}' % __import__("json").dumps(text))
+    t = load_file(str(tmp_path / "model.safetensors"))
+    key = "model.language_model.layers.0.mlp.gate_proj.weight"
+    rows, cols = t[key].shape
+    t[key] = (t[key] * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    t[key + "_scale_inv"] = torch.rand(math.ceil(rows / 128), math.ceil(cols / 128)) + 0.5
+    save_file(t, str(tmp_path / "model.safetensors"))
+    name = "layers.0.mlp.gate_proj.weight"
+    whole = load_weights(tmp_path, cfg, progress=False, quantization="auto")
+    assert whole[name].dtype == torch.float8_e4m3fn
+    pc = ParallelConfig(tensor_parallel_size=2)
+    half = rows // 2
+    for r in ranks(pc):
+        w = load_weights(tmp_path, cfg, progress=False, quantization="auto", sharding=WeightSharding(cfg, pc, r))
+        if kept:
+            assert w[name].dtype == torch.float8_e4m3fn and torch.equal(
+                w[name].view(torch.uint8), whole[name][r.rank * half:(r.rank + 1) * half].view(torch.uint8))
+            assert torch.equal(w[name + "_scale_inv"], whole[name + "_scale_inv"][r.rank * half // 128:
+                                                                                 (r.rank + 1) * half // 128])
+        else:
+            assert name + "_scale_inv" not in w and w[name].dtype == torch.float32
+            full = load_weights(tmp_path, cfg, progress=False)[name]
+            assert torch.equal(w[name], full[r.rank * half:(r.rank + 1) * half])
