@@ -20,12 +20,13 @@ from pathlib import Path
 import pytest
 
 from glm5.engine import AsyncLLMEngine, EngineArgs, LLMEngine
-from glm5.engine.errors import EngineDeadError
+from glm5.engine.errors import EngineDeadError, RequestFailedError
 from glm5.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
 N_NEW = 20
+FAULT_TOKEN = 500   # test_faults trigger of the TP=2 async engine (in no reference prompt)
 PROMPTS = [[5, 17, 33, 2, 9, 100, 7] * 6, [3, 4, 5], list(range(40, 110))]
 SETTINGS = dict(device="cpu", dtype="float32", block_size=16, num_cache_blocks=11, max_num_seqs=4,
                 max_num_batched_tokens=16, load_progress=False)
@@ -138,7 +139,8 @@ def test_two_machines_through_glm5_worker_match_single_process(tiny_checkpoint_d
 
 @pytest.fixture(scope="module")
 def tp2_async(tiny_checkpoint_dir):
-    eng = AsyncLLMEngine(EngineArgs(model=str(tiny_checkpoint_dir), tensor_parallel_size=2, **SETTINGS))
+    eng = AsyncLLMEngine(EngineArgs(model=str(tiny_checkpoint_dir), tensor_parallel_size=2,
+                                    test_faults={"request_error_token_id": FAULT_TOKEN}, **SETTINGS))
     yield eng
     eng.shutdown()
 
@@ -148,6 +150,16 @@ def test_tp2_async_engine_matches_single_process(tp2_async, reference):
     tokens = [[t for out in s for t in out.token_ids] for s in streams]
     assert tokens == reference
     assert tp2_async.stats().preempted_total > 0
+
+
+def test_a_request_failing_after_the_forward_is_isolated_under_tp(tp2_async, reference):
+    """A request-level failure outside the distributed forward (test_faults: after the model ran) fails that
+    request only; the engine re-runs the step's other requests on every rank and they keep their tokens."""
+    bad = tp2_async.add_request("bad", [FAULT_TOKEN, 7, 8, 9], greedy())
+    good = tp2_async.add_request("good", PROMPTS[0], greedy())
+    with pytest.raises(RequestFailedError, match="injected request fault"):
+        list(bad)
+    assert [t for out in good for t in out.token_ids] == reference[0]
 
 
 def test_killed_worker_fails_in_flight_requests_and_leaves_no_process(tp2_async):

@@ -411,14 +411,21 @@ class DistributedRunner(ModelRunner):
         return MirroredSnapshotPool
 
     def _guard(self, fn, *a: Any) -> Any:
+        """Run rank 0's side of an operation the workers are running too. Any failure here is fatal for the
+        executor: the workers are inside the same collectives, and there is no way to bring them back in step
+        (so request-level isolation does not apply to a distributed step; docs/parallelism.md)."""
         try:
             return fn(*a)
         except ExecutorError:
             raise
         except Exception as e:
-            if self.par.distributed and (self._failure is not None or _is_comm_error(e)):
-                raise self._fail(e) from e
-            raise
+            if self._failure is None and not _is_comm_error(e):
+                self._failure = ExecutorError(
+                    f"rank 0 failed inside a distributed step ({type(e).__name__}: {e}); the other ranks cannot be "
+                    "brought back in step, so the engine stops and must be restarted")
+                if self.workers is not None:
+                    self.workers.stop(timeout=5.0)
+            raise self._fail(e) from e
 
     # ------------------------------------------------------------------ the ModelRunner interface
     def reset_slot(self, slot: int) -> None:
