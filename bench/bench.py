@@ -427,7 +427,7 @@ def nccl_world_of_one():
 
     from glm5.distributed import ParallelConfig
     from glm5.distributed.parallel_state import build_context, join_world
-    from glm5.engine.executor import free_port
+    from glm5.engine.worker_processes import free_port
 
     store = dist.TCPStore("127.0.0.1", free_port("127.0.0.1"), 1, is_master=True,
                           timeout=datetime.timedelta(seconds=60))

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch.multiprocessing as mp
 
-    from glm5.engine.executor import free_port
+    from glm5.engine.worker_processes import free_port
     mp.spawn(rank_main, args=(args, free_port("127.0.0.1")), nprocs=args.world, join=True)
     return 0
 

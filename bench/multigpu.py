@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
             note = plot(res, args.render.with_name("decode_multigpu.png"))
         except Exception as e:  # noqa: BLE001 (no matplotlib / no decode rows: the tables still render)
             note = f"no plot: {e}"
-        md.write_text(render(res) + f"\n![decode](decode_multigpu.png)\n" if not note.startswith("no plot") else render(res))
+        md.write_text(render(res) + "\n![decode](decode_multigpu.png)\n" if not note.startswith("no plot") else render(res))
         print(md)
         return 0
     res = run(args)

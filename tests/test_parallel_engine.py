@@ -117,7 +117,7 @@ def test_ep_alone_eplb_rebalances_without_changing_tokens(tiny_checkpoint_dir, r
 
 def test_two_machines_through_glm5_worker_match_single_process(tiny_checkpoint_dir, reference):
     """Rank 1 lives in its own process tree (``glm5 worker``), joined through the env:// rendezvous."""
-    from glm5.engine.executor import free_port
+    from glm5.engine.worker_processes import free_port
 
     port = free_port("127.0.0.1")
     node = subprocess.Popen([sys.executable, "-m", "glm5.cli", "worker", "--nnodes", "2", "--node-rank", "1",

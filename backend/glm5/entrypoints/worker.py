@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from glm5.engine.executor import LocalWorkers
+    from glm5.engine.worker_processes import LocalWorkers
 
     if not 1 <= args.node_rank < args.nnodes:
         raise SystemExit(f"glm5 worker: --node-rank {args.node_rank} must be in 1..{args.nnodes - 1} (node 0 is the "
