@@ -19,7 +19,7 @@ TFLOP/s; and transformers' glm5_next decode at batch 1 and at the largest batch 
 config (HF-initialised weights; its timing does not depend on weight values beyond routing), in a child
 process of the same run once the engine has released the GPU.
 
-Usage: ``python bench/bench.py --out DIR [--quick] [--profile-prefill] [--flashinfer]`` on a CUDA GPU;
+Usage: ``python bench/bench.py --out DIR [--quick] [--profile-prefill] [--flashinfer] [--distributed]`` on a CUDA GPU;
 writes ``DIR/results.json`` (schema: ``ceilings``, ``decode`` rows with ``bytes``, ``prefill`` rows, ``hf``,
 ``profiles``), the profiler tables ``DIR/profile_*.txt``, ``DIR/bench.log`` (one JSON line per measurement,
 so a run cut short keeps what it measured) and ``DIR/decode.png`` when matplotlib imports.
@@ -95,7 +95,9 @@ def _base_name(name: str) -> str:
 
 
 class Setup:
-    def __init__(self, max_batch: int, max_ctx: int, weight_dtype: str = "bfloat16"):
+    """``par``: a :class:`glm5.distributed.ParallelContext` (``--distributed``: the model's collectives run)."""
+
+    def __init__(self, max_batch: int, max_ctx: int, weight_dtype: str = "bfloat16", par=None):
         from glm5.cache.hybrid_cache import CacheConfig, HybridCache
         from glm5.config import ModelConfig
         from glm5.layers.glm5 import Glm5ForCausalLM
@@ -108,7 +110,8 @@ class Setup:
         self.params = {n: w.numel() for n, w in self.weights.items()}
         if weight_dtype == "float8_e4m3fn":
             self.weights = quantize_weights(self.weights, inplace=True)
-        self.model = Glm5ForCausalLM(self.cfg, self.weights)
+        self.par = par
+        self.model = Glm5ForCausalLM(self.cfg, self.weights, par)
         self.bs = 64
         self.blocks_per_req = (max_ctx + 2 * self.bs) // self.bs
         nb = max_batch * self.blocks_per_req
@@ -225,7 +228,9 @@ def run_decode(s: "Setup", batches, ctxs, reps: int, log, graphs: bool = True) -
                 row = {"batch": b, "ctx": ctx, "weight_dtype": s.weight_dtype, "eager_step_s": median(eager),
                        "experts_touched": touched, "bytes": s.decode_bytes(b, ctx, touched)}
                 if runner is not None:
-                    times = timed(lambda: runner.run(rows), max(reps, 10), warmup=2)
+                    step = runner.run if s.par is None else (
+                        lambda r: (s.par.broadcast_object([("decode", r)]), runner.run(r)))
+                    times = timed(lambda: step(rows), max(reps, 10), warmup=2)
                     row.update(step_s=median(times), steps=times, graph=True)
                 else:
                     row.update(step_s=row["eager_step_s"], steps=eager, graph=False)
@@ -414,6 +419,50 @@ def run_hf_subprocess(args, log) -> dict:
     return json.loads(path.read_text())
 
 
+def nccl_world_of_one():
+    """A ParallelContext over a one-rank NCCL world (plus the gloo control group): what the distributed
+    executor builds, at world size 1."""
+    import datetime
+    import torch.distributed as dist
+
+    from glm5.distributed import ParallelConfig
+    from glm5.distributed.parallel_state import build_context, join_world
+    from glm5.engine.worker_processes import free_port
+
+    store = dist.TCPStore("127.0.0.1", free_port("127.0.0.1"), 1, is_master=True,
+                          timeout=datetime.timedelta(seconds=60))
+    backend, control = join_world(0, 1, torch.device("cuda", torch.cuda.current_device()), store)
+    return build_context(ParallelConfig(), 0, backend, control)
+
+
+def run_distributed(res: dict, batches, ctxs, weight_dtype: str, log) -> dict:
+    """The bench config again through the distributed path at world size 1 (NCCL), after the plain run of the
+    same process: the same decode rows and an 8K prefill, each against the plain run's number."""
+    from glm5.distributed.parallel_state import destroy_parallel_context
+    par = nccl_world_of_one()
+    out: dict = {"world_size": 1, "backend": par.backend, "weight_dtype": weight_dtype}
+    try:
+        s = Setup(max(batches), max(ctxs), weight_dtype, par=par)
+        out["prefill"] = run_prefill(s, [8192], 4096, log)
+        out["decode"] = run_decode(s, batches, ctxs, reps=3, log=log)
+        s.close()
+    finally:
+        destroy_parallel_context(par)
+    plain = {(r["batch"], r["ctx"]): r for r in res.get("decode", [])
+             if "step_s" in r and r.get("weight_dtype") == weight_dtype}
+    for r in out["decode"]:
+        p = plain.get((r.get("batch"), r.get("ctx")))
+        if p is not None and "step_s" in r:
+            r["vs_plain"] = r["step_s"] / p["step_s"]
+    pre = {r["tokens"]: r for r in res.get("prefill", []) if "time_s" in r and r.get("weight_dtype", weight_dtype) ==
+           weight_dtype}
+    for r in out["prefill"]:
+        if r.get("tokens") in pre and "time_s" in r:
+            r["vs_plain"] = r["time_s"] / pre[r["tokens"]]["time_s"]
+    log({"distributed_summary": [(r.get("batch"), r.get("ctx"), r.get("vs_plain")) for r in out["decode"]]})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -428,6 +477,9 @@ def main() -> int:
     ap.add_argument("--decode-attn", choices=("triton", "flashinfer", "torch"), help="override the auto choice")
     ap.add_argument("--flashinfer", action="store_true", help="also time decode with decode_attn_backend=flashinfer")
     ap.add_argument("--hf-only", action="store_true", help="engine b1 ctx 1K, then transformers, same run")
+    ap.add_argument("--distributed", action="store_true",
+                    help="then the same decode rows and an 8K prefill through the distributed path at world size 1 "
+                         "(NCCL collectives + the executor's per-step message), each against the plain number")
     ap.add_argument("--weight-dtypes", default="bfloat16,float8_e4m3fn",
                     help="comma-separated weight storage to measure, in order (bfloat16, float8_e4m3fn)")
     args = ap.parse_args()
@@ -513,6 +565,15 @@ def main() -> int:
         (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
         s.close()
         del s
+        gc.collect()
+        torch.cuda.empty_cache()
+    if args.distributed:
+        try:
+            res["distributed"] = run_distributed(res, batches, ctxs, dtypes[0], log)
+        except Exception as e:
+            res["distributed"] = {"error": f"{type(e).__name__}: {str(e)[:500]}", "trace": traceback.format_exc()[-1500:]}
+            log(res["distributed"])
+        (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
         gc.collect()
         torch.cuda.empty_cache()
     if not args.skip_hf:

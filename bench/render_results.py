@@ -249,6 +249,21 @@ def render(res: dict, path: Path, notes: Path | None = None) -> None:
             lines += [""]
     if res.get("speculative"):
         lines += ["## Speculative decoding (MTP)", "", *speculative_tables(res["speculative"])]
+    dist = res.get("distributed")
+    if dist and "decode" in dist:
+        lines += ["## The distributed path at world size 1 (same run)", "",
+                  f"The bench config again through the distributed executor's path on one GPU ({dist['backend']}, "
+                  "one rank: every collective runs, plus the per-step message on the control group); ratio = this "
+                  "step / the plain step above.", "",
+                  "| batch | ctx | step ms | vs plain |", "|---:|---:|---:|---:|"]
+        for r in dist["decode"]:
+            if "step_s" in r:
+                lines.append(f"| {r['batch']} | {r['ctx']} | {r['step_s'] * 1e3:.3f} | {r.get('vs_plain', float('nan')):.3f} |")
+        for r in dist.get("prefill", []):
+            if "time_s" in r:
+                lines += ["", f"Prefill {r['tokens']} tokens: {r['time_s']:.3f} s "
+                              f"({r.get('vs_plain', float('nan')):.3f} × the plain run)."]
+        lines += [""]
     if notes is not None and notes.exists():
         lines += [notes.read_text().rstrip(), ""]
     path.write_text("\n".join(lines))

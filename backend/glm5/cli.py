@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny": ("glm5.tiny_checkpoint", "write the tiny random GLM-5.3-Flash checkpoint"),
     "generate": ("glm5.entrypoints.generate", "generate text or token ids offline"),
     "serve": ("glm5.serving.launcher", "start tritonserver with the glm5 model repository"),
+    "worker": ("glm5.entrypoints.worker", "run this machine's ranks of a multi-machine engine"),
     "check": ("glm5.entrypoints.check", "validate a checkpoint directory (config + safetensors headers)"),
 }
 

@@ -103,11 +103,14 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(worst, block_m) * block_m
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedRouting:
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                         num_computed_experts: int | None = None) -> AlignedRouting:
     """Sort the pairs of ``topk_ids [T, k]`` by expert (stable: token order within an expert) and pad
     each group to a multiple of ``block_m``; torch ops only, no host sync (graph capturable).
 
-    Expert ids must lie in ``[0, num_experts)`` (not checked: checking would sync)."""
+    Expert ids must lie in ``[0, num_experts)`` (not checked: checking would sync). ``num_computed_experts``
+    (< ``num_experts``): only experts below it are computed — ``total_rows`` ends after their groups, so the
+    kernels skip the pairs of the higher ids (expert parallelism: pairs routed to other ranks' experts)."""
     if block_m < 1:
         raise ValueError(f"block_m={block_m} must be positive")
     device = topk_ids.device
@@ -123,10 +126,14 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     max_rows = max_padded_rows(n, num_experts, block_m)
     sorted_ids = torch.full((max_rows,), n, dtype=torch.int32, device=device)
     sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    computed = num_experts if num_computed_experts is None else num_computed_experts
+    if not 1 <= computed <= num_experts:
+        raise ValueError(f"num_computed_experts={num_computed_experts} must be in [1, num_experts={num_experts}]")
     block_starts = torch.arange(0, max_rows, block_m, device=device, dtype=pad_end.dtype)
-    block_expert = torch.searchsorted(pad_end, block_starts, right=True).clamp_(max=num_experts - 1)
+    block_expert = torch.searchsorted(pad_end, block_starts, right=True).clamp_(max=computed - 1)
     return AlignedRouting(sorted_ids=sorted_ids, block_expert=block_expert.to(torch.int32),
-                          total_rows=pad_end[-1:], block_m=block_m, num_pairs=n)
+                          total_rows=pad_end[computed - 1:computed],
+                          block_m=block_m, num_pairs=n)
 
 
 def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedRouting:
@@ -516,13 +523,21 @@ def _check_inputs(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
 def fused_moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, swiglu_limit: float | None,
               config: dict[str, Any] | None = None,
-              scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+              expert_map: torch.Tensor | None = None) -> torch.Tensor:
     """Routed-expert forward of ``x [T, H]`` → ``[T, H]`` in ``x.dtype`` (see module docstring).
 
     ``w_gate``/``w_up`` ``[E, I, H]`` and ``w_down`` ``[E, H, I]`` in ``x.dtype``, or float8_e4m3fn with
     ``scales`` = their fp32 128 x 128 block scales (gate, up, down); ``topk_weights``
     ``[T, k]`` (any float dtype, used in fp32) and ``topk_ids`` ``[T, k]`` (distinct per token, in
-    ``[0, E)``). ``config`` overrides the tuned/default launch config. No host sync."""
+    ``[0, E)``). ``config`` overrides the tuned/default launch config. No host sync.
+
+    ``expert_map`` (expert parallelism): int ``[E_global]`` mapping the ids in ``topk_ids`` to this rank's
+    local experts ``[0, E)``, ``-1`` for experts held elsewhere; those pairs contribute nothing (the result is
+    this rank's partial sum) and cost no GEMM work."""
+    if expert_map is not None:
+        local = expert_map.index_select(0, topk_ids.reshape(-1).long()).view(topk_ids.shape)
+        topk_ids = torch.where(local >= 0, local, torch.full_like(local, w_gate.shape[0]))
     _check_inputs(x, w_gate, w_up, w_down, topk_weights, topk_ids, scales)
     t, hidden = x.shape
     e, inter, _ = w_gate.shape
@@ -536,10 +551,16 @@ def fused_moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
     x = x.contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
-    routing = align_routing(topk_ids, e, config["BLOCK_SIZE_M"])
+    if expert_map is None:
+        routing = align_routing(topk_ids, e, config["BLOCK_SIZE_M"])
+        y_out = None
+    else:  # id e = "elsewhere": sorted last and never computed, so its rows of y must read as 0
+        routing = moe_align_block_size(topk_ids, e + 1, config["BLOCK_SIZE_M"], num_computed_experts=e)
+        y_out = torch.zeros(t * top_k, hidden, device=x.device, dtype=x.dtype)
     h = moe_gate_up(x, w_gate, w_up, routing, top_k, limit, config,
                     scales=None if scales is None else (scales[0], scales[1]))
-    y = moe_down(h, w_down, weights, routing, down_config(config), scale=None if scales is None else scales[2])
+    y = moe_down(h, w_down, weights, routing, down_config(config), out=y_out,
+                 scale=None if scales is None else scales[2])
     if top_k == 1:
         return y
     return y.view(t, top_k, hidden).sum(dim=1)

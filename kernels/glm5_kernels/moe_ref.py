@@ -22,7 +22,8 @@ def clamped_swiglu_ref(gate: torch.Tensor, up: torch.Tensor, limit: float) -> to
 def fused_moe_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, swiglu_limit: float,
                   compute_dtype: torch.dtype | None = None,
-                  scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                  expert_map: torch.Tensor | None = None) -> torch.Tensor:
     """Per-expert loop: ``x [T, H]`` → ``[T, H]`` = Σ_k w_k · W_down[e_k] @ clamped_swiglu(...).
 
     Computes in ``x.dtype`` (accumulating the k slots in fp32) and returns ``x.dtype`` unless ``compute_dtype``
@@ -32,13 +33,17 @@ def fused_moe_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
 
     ``scales`` (gate, up, down block scales ``[E, ceil(rows/128), ceil(cols/128)]`` fp32) marks the three stacks
     as block-scaled fp8: each touched expert is dequantised (:func:`glm5_kernels.fp8_ref.dequantize_fp8_block`,
-    fp32 products) and cast to the compute dtype, which is what the fp8 kernel path is compared with."""
+    fp32 products) and cast to the compute dtype, which is what the fp8 kernel path is compared with.
+    ``expert_map`` as in :func:`glm5_kernels.fused_moe.fused_moe`: ids → local experts, ``-1`` skipped (a partial
+    sum)."""
     dt = compute_dtype or x.dtype
     t, h = x.shape
     k = topk_ids.shape[1]
     acc_dt = torch.float64 if dt == torch.float64 else torch.float32
     out = torch.zeros(t, h, dtype=acc_dt, device=x.device)
     flat_e = topk_ids.reshape(-1)
+    if expert_map is not None:
+        flat_e = expert_map.index_select(0, flat_e.long())
     token_of = torch.arange(t, device=x.device).repeat_interleave(k)
     flat_w = topk_weights.reshape(-1).to(acc_dt)
     xc = x.to(dt)
@@ -46,6 +51,8 @@ def fused_moe_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
         return w[e].to(dt) if scales is None else dequantize_fp8_block(w[e], scales[i][e], dtype=dt)
 
     for e in torch.unique(flat_e).tolist():
+        if e < 0:
+            continue
         sel = (flat_e == e).nonzero().squeeze(1)
         toks = token_of[sel]
         xe = xc[toks]

@@ -47,7 +47,10 @@ def check_block_size(block_size: int, kpool: int) -> None:
 
 class HybridCache:
     def __init__(self, cfg: TextConfig, cache_cfg: CacheConfig, device: torch.device | str, dtype: torch.dtype,
-                 mla_layers: list[int] | None = None, index_fp8: bool = False):
+                 mla_layers: list[int] | None = None, index_fp8: bool = False, kda_heads: int | None = None):
+        """``kda_heads``: KDA heads whose conv / recurrent states this cache holds (a tensor-parallel rank's
+        share, ``linear_num_heads / TP``; default all). MLA latent, pooled keys and tails are per token / pool
+        and shared by every head, so they are always whole."""
         check_block_size(cache_cfg.block_size, cfg.index_kpool)
         self.cfg = cfg
         self.cache_cfg = cache_cfg
@@ -70,10 +73,11 @@ class HybridCache:
                             for i in mla_layers} if index_fp8 else {}
         self.tail = {i: torch.zeros(ns, cfg.index_kpool, 2 * cfg.index_head_dim, device=device, dtype=dtype)
                      for i in mla_layers}
-        d = cfg.linear_num_heads * cfg.linear_head_dim
+        self.kda_heads = cfg.linear_num_heads if kda_heads is None else kda_heads
+        d = self.kda_heads * cfg.linear_head_dim
         self.conv = {i: torch.zeros(ns, cfg.linear_conv_kernel_dim - 1, 3 * d, device=device, dtype=dtype)
                      for i in cfg.kda_layer_ids}
-        self.recurrent = {i: torch.zeros(ns, cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_head_dim,
+        self.recurrent = {i: torch.zeros(ns, self.kda_heads, cfg.linear_head_dim, cfg.linear_head_dim,
                                          device=device, dtype=torch.float32) for i in cfg.kda_layer_ids}
 
     # ------------------------------------------------------------------ slot mapping

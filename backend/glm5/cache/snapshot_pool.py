@@ -132,15 +132,10 @@ class StateSnapshotPool:
             self.free_list.touch(existing)
             return existing
         i = self.free_list.allocate_one()
-        c = self.cache
-        for pool, src in ((self.conv, c.conv), (self.recurrent, c.recurrent), (self.tail, c.tail)):
-            for layer, t in src.items():
-                pool[layer][i].copy_(t[state_slot])
-        rows = snap.position % c.block_size
-        if rows:
-            if partial_block is None:
-                raise ValueError(f"a snapshot at position {snap.position} needs the request's partial block")
-            self._copy_partial(i, partial_block, rows, to_snapshot=True)
+        rows = snap.position % self.cache.block_size
+        if rows and partial_block is None:
+            raise ValueError(f"a snapshot at position {snap.position} needs the request's partial block")
+        self.move(i, state_slot, partial_block, rows, to_snapshot=True)
         self.entries[i] = snap
         self._by_key[snap.key] = i
         self._by_chain.setdefault(snap.chain, set()).add(i)
@@ -154,17 +149,26 @@ class StateSnapshotPool:
         snap = self.entries[i]
         if snap is None:
             raise ValueError(f"state snapshot slot {i} holds no snapshot")
-        c = self.cache
-        for pool, dst in ((self.conv, c.conv), (self.recurrent, c.recurrent), (self.tail, c.tail)):
-            for layer, t in dst.items():
-                t[state_slot].copy_(pool[layer][i])
-        rows = snap.position % c.block_size
-        if rows:
-            if partial_block is None:
-                raise ValueError(f"restoring a snapshot at position {snap.position} needs a block for its partial rows")
-            self._copy_partial(i, partial_block, rows, to_snapshot=False)
+        rows = snap.position % self.cache.block_size
+        if rows and partial_block is None:
+            raise ValueError(f"restoring a snapshot at position {snap.position} needs a block for its partial rows")
+        self.move(i, state_slot, partial_block, rows, to_snapshot=False)
         self.free_list.touch(i)
         self.restored += 1
+
+    def move(self, i: int, state_slot: int, partial_block: int | None, rows: int, to_snapshot: bool) -> None:
+        """The data side of :meth:`save` / :meth:`restore`: copy state slot ``state_slot`` (and ``rows`` rows of
+        ``partial_block``) into snapshot slot ``i`` or back. Kept apart from the bookkeeping so that a distributed
+        engine can replay exactly these copies on every rank (each holds its own heads' states)."""
+        c = self.cache
+        for pool, cache_group in ((self.conv, c.conv), (self.recurrent, c.recurrent), (self.tail, c.tail)):
+            for layer, t in cache_group.items():
+                if to_snapshot:
+                    pool[layer][i].copy_(t[state_slot])
+                else:
+                    t[state_slot].copy_(pool[layer][i])
+        if rows:
+            self._copy_partial(i, partial_block, rows, to_snapshot)
 
     def _copy_partial(self, i: int, block: int, rows: int, to_snapshot: bool) -> None:
         c = self.cache

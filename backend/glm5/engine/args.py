@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from glm5.distributed import ParallelConfig
+
 #: where the prefix cache can take state snapshots (glm5.engine.kv_cache_manager explains each)
 SNAPSHOT_POINTS = ("request_end", "preempted", "prompt_end", "junction")
 
@@ -37,6 +39,20 @@ class EngineArgs:
     decode_path: str = "auto"           # auto (batched on CUDA) | batched | per_request (the reference loops)
     enforce_eager: bool = False         # True: no decode CUDA graphs (vLLM's flag name)
     cuda_graph_max_batch: int | None = None  # largest captured decode batch (default max_num_seqs)
+    load_format: str = "auto"           # auto (the checkpoint's safetensors) | dummy (random weights made on the
+                                        # device, sharded per rank; config.json only: benchmarks)
+    # ---- several devices (docs/parallelism.md); vLLM's names where vLLM has the setting
+    tensor_parallel_size: int = 1       # ranks splitting heads, dense MLPs, shared experts and the vocabulary
+    enable_expert_parallel: bool = False  # routed experts partitioned over the ranks (EP = TP) instead of split
+    expert_parallel_size: int | None = None  # EP explicitly (a multiple of TP; > TP replicates the attention)
+    enable_eplb: bool = False           # expert-parallel load balancing (redundant hot experts, periodic moves)
+    num_redundant_experts: int = 0      # EPLB: extra physical experts per MoE layer
+    eplb_step_interval: int = 1000      # EPLB: engine steps between rebalances
+    ep_dispatch: str = "allgather_reducescatter"  # or all2all (eager only)
+    distributed: bool = False           # run through the distributed executor even at world size 1
+    nnodes: int = 1                     # machines the world spans (the others run `glm5 worker`)
+    master_addr: str = "127.0.0.1"      # rendezvous address (this machine's, reachable by the other nodes)
+    master_port: int = 0                # rendezvous port (0: a free one; fixed when nnodes > 1)
     quantization: str = "auto"          # auto (fp8 checkpoint weights stay fp8 on CUDA) | fp8 (also quantize the
     #                                     other projections at load) | none (dequantize to dtype); docs/fp8.md
     # prefix caching (docs/prefix-caching.md): reuse cached MLA blocks + KDA state snapshots across requests
@@ -96,6 +112,27 @@ class EngineArgs:
             raise ValueError(f"preprocess_workers={self.preprocess_workers!r}: must be an integer >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r}: use auto, float32, bfloat16 or float16")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format={self.load_format!r}: use auto (the checkpoint) or dummy (random weights)")
+        pc = self.parallel_config  # validates the layout (ParallelConfigError names the fix)
+        if self.nnodes < 1 or pc.world_size % self.nnodes:
+            raise ValueError(f"nnodes={self.nnodes}: must be >= 1 and divide the world of {pc.world_size} ranks")
+        if self.nnodes > 1 and not self.master_port:
+            raise ValueError("nnodes > 1 needs a fixed master_port (and a master_addr the other nodes reach), given "
+                             "to the workers too: glm5 worker --master-addr A --master-port P ...")
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig.from_args(
+            tensor_parallel_size=self.tensor_parallel_size, enable_expert_parallel=self.enable_expert_parallel,
+            expert_parallel_size=self.expert_parallel_size, enable_eplb=self.enable_eplb,
+            num_redundant_experts=self.num_redundant_experts, eplb_step_interval=self.eplb_step_interval,
+            ep_dispatch=self.ep_dispatch)
+
+    @property
+    def uses_executor(self) -> bool:
+        """True when the engine runs its model through worker processes / a process group."""
+        return self.distributed or self.parallel_config.world_size > 1
 
     @property
     def snapshot_points(self) -> frozenset[str]:

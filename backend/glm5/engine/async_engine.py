@@ -200,11 +200,15 @@ class AsyncLLMEngine:
         return self._stats
 
     def shutdown(self) -> None:
-        """Stop the loop thread; requests still in flight end with finish_reason ``"abort"``."""
+        """Stop the loop thread; requests still in flight end with finish_reason ``"abort"``. Then the engine's
+        own resources (a distributed engine's worker processes)."""
         self._stop.set()
         self._wake.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._thread.join(timeout=30)
+        stop = getattr(self.engine, "shutdown", None)  # engines handed in by tests may not have one
+        if stop is not None:
+            stop()
 
     # ------------------------------------------------------------------ loop thread
     def _handle(self, cmd) -> None:
@@ -245,6 +249,9 @@ class AsyncLLMEngine:
                         self._handle(self._cmds.get_nowait())
                     except queue.Empty:
                         break
+                fatal = getattr(self.engine, "fatal_error", None)
+                if fatal is not None and fatal() is not None:  # e.g. a worker died while the engine was idle
+                    raise fatal()
                 if not self.engine.has_unfinished():
                     self._stats = self.engine.stats()
                     self._wake.wait(timeout=0.5)

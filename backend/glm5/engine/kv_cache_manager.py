@@ -81,13 +81,16 @@ class KVCacheManager:
     :meth:`match` / :meth:`admit` at admission, :meth:`grow` for running requests and :meth:`release`
     when a request leaves; the engine calls :meth:`after_step` once a step's rows are final."""
 
-    def __init__(self, cache: HybridCache, num_blocks: int, num_slots: int, prefix: PrefixCacheConfig | None):
+    def __init__(self, cache: HybridCache, num_blocks: int, num_slots: int, prefix: PrefixCacheConfig | None,
+                 pool_cls: type[StateSnapshotPool] = StateSnapshotPool):
+        """``cache`` / ``pool_cls``: the cache this manager mutates (slot resets, snapshot copies) and the snapshot
+        pool type; a distributed engine hands views that replay those mutations on every rank."""
         self.cache = cache
         self.block_size = cache.block_size
         self.blocks = BlockManager(num_blocks)
         self.slots = FreeList(num_slots, "state slot", "raise max_num_seqs")
         self.prefix = prefix
-        self.snapshots = StateSnapshotPool(cache, prefix.num_snapshots) if prefix is not None else None
+        self.snapshots = pool_cls(cache, prefix.num_snapshots) if prefix is not None else None
         self.lookahead = prefix.lookahead if prefix is not None else 0
         self.queries = 0   # tokens looked up at admissions (vLLM's prefix_cache_queries)
         self.hits = 0      # of those, tokens reused

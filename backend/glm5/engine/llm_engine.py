@@ -88,15 +88,23 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(args.model)
         text = self.model_config.text
         check_block_size(args.block_size, text.index_kpool)
-        if weights is None:
+        if weights is None and not args.uses_executor:
             quant = args.load_quantization
             if quant != args.quantization:
                 logger.info("quantization=auto on %s: fp8 checkpoint weights are dequantized to %s at load (no fp8 "
                             "GEMM here; quantization=fp8 keeps fp8 storage and dequantizes per call)", self.device,
                             self.dtype)
-            weights = load_weights(args.model, self.model_config, device=self.device, dtype=self.dtype,
-                                   progress=args.load_progress, allow_missing_mtp=args.num_speculative_tokens == 0,
-                                   quantization=quant)
+            if args.load_format == "dummy":
+                from glm5.weights import dummy_weights
+                weights = dummy_weights(self.model_config, self.device, self.dtype,
+                                        include_mtp=args.num_speculative_tokens > 0, fp8=quant == "fp8")
+            else:
+                weights = load_weights(args.model, self.model_config, device=self.device, dtype=self.dtype,
+                                       progress=args.load_progress, allow_missing_mtp=args.num_speculative_tokens == 0,
+                                       quantization=quant)
+        elif weights is not None and args.uses_executor:
+            raise ValueError("weights cannot be handed to a distributed engine (each rank loads its own shard from "
+                             "args.model); drop the weights argument or run with tensor_parallel_size=1")
         self.tokenizer = self._load_tokenizer(args.model)
         use_mtp = args.num_speculative_tokens > 0
         mla_layers = list(text.mla_layer_ids) + (text.mtp_layer_ids[:1] if use_mtp else [])
@@ -113,17 +121,27 @@ class LLMEngine:
             logger.warning("max_model_len %d exceeds the cache (%d blocks x %d tokens): capped to %d",
                            args.max_model_len, cache_cfg.num_blocks, cache_cfg.block_size, self.max_model_len)
         k = args.num_speculative_tokens
-        self.runner = ModelRunner(self.model_config, weights, cache_cfg, self.device, self.dtype,
-                                  use_mtp=use_mtp, index_fp8=args.index_cache == "fp8",
-                                  max_model_len=self.max_model_len, decode_path=args.decode_path,
-                                  encoder_cache_bytes=self.memory_plan.bytes_of("vision_encoder_cache"),
-                                  draft_vocab=self._draft_vocab(args))
+        encoder_bytes = self.memory_plan.bytes_of("vision_encoder_cache")
+        if args.uses_executor:  # one process per device; this one is rank 0 (glm5.engine.executor)
+            from glm5.engine.executor import DistributedRunner
+            if args.draft_vocab_size:
+                raise ValueError(f"draft_vocab_size={args.draft_vocab_size} is not supported with tensor/expert "
+                                 "parallelism; draft over the full vocabulary (draft_vocab_size=0)")
+            self.runner = DistributedRunner.start(args, self.model_config, cache_cfg, self.max_model_len,
+                                                  encoder_cache_bytes=encoder_bytes)
+            self.device = self.runner.device
+        else:
+            self.runner = ModelRunner(self.model_config, weights, cache_cfg, self.device, self.dtype,
+                                      use_mtp=use_mtp, index_fp8=args.index_cache == "fp8",
+                                      max_model_len=self.max_model_len, decode_path=args.decode_path,
+                                      encoder_cache_bytes=encoder_bytes, draft_vocab=self._draft_vocab(args))
         self._log_backends()
         self.sampler = Sampler(seed=args.seed)
-        # speculative steps of pure-decode batches on the batched path (glm5.engine.spec_batched)
+        # speculative steps of pure-decode batches on the batched path (glm5.engine.spec_batched); it drives the
+        # runner's model and cache directly, so a multi-device engine speculates on the per-request path
         spec_batch = min(args.speculative_max_batch, args.max_num_seqs)
         self.spec = BatchedSpeculation(self.runner, self.sampler, k, spec_batch) \
-            if k > 0 and self.runner.batched_decode else None
+            if k > 0 and self.runner.batched_decode and not args.uses_executor else None
         if self.device.type == "cuda" and not args.enforce_eager:
             graph_max = args.cuda_graph_max_batch or args.max_num_seqs
             self.runner.capture_cuda_graphs(graph_max)
@@ -133,8 +151,9 @@ class LLMEngine:
         self.k_policy = self._k_policy(args)
         self._k_next = k
         self._noise_seeds = torch.Generator().manual_seed(args.seed)
-        self.kv = KVCacheManager(self.runner.cache, cache_cfg.num_blocks, cache_cfg.num_state_slots,
-                                 self._prefix_cache_config(args))
+        # cache mutations go through the runner's view: a distributed runner replays them on every rank
+        self.kv = KVCacheManager(self.runner.kv_cache_view(), cache_cfg.num_blocks, cache_cfg.num_state_slots,
+                                 self._prefix_cache_config(args), pool_cls=self.runner.snapshot_pool_cls)
         self.blocks, self.slots = self.kv.blocks, self.kv.slots
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
@@ -634,6 +653,18 @@ class LLMEngine:
             self.finished_total += 1
             del self._requests[seq.request_id]
         return self._output(st, accepted, text, finished, lps or None)
+
+    def fatal_error(self) -> BaseException | None:
+        """An unrecoverable failure the engine already knows of between steps (a distributed engine's worker
+        that exited), so that an idle server stops serving at once instead of at its next request."""
+        return getattr(self.runner, "failure", None)
+
+    def shutdown(self) -> None:
+        """Release what the engine holds outside this process: the distributed executor's workers and process
+        group (a single-device engine holds nothing; idempotent)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     # ------------------------------------------------------------------ stats and offline API
     def stats(self) -> EngineStats:

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 
 from glm5.cache.hybrid_cache import CacheConfig, HybridCache
+from glm5.cache.snapshot_pool import StateSnapshotPool
 from glm5.config import ModelConfig
+from glm5.distributed import ParallelContext
 from glm5.engine.cuda_graph import DecodeAttentionPlanner, DecodeGraphRunner, DecodeRows, DecodeStager, graph_buckets
 from glm5.engine.media_items import media_hash, media_items
 from glm5.engine.prompt_logprobs import prompt_rows
@@ -22,6 +25,7 @@ from glm5.engine.scheduler import SchedulerOutput
 from glm5.engine.sequence import MultiModalData, Sequence
 from glm5.layers.batch import ForwardBatch, SeqChunk
 from glm5.layers.glm5 import Glm5ForCausalLM, ModelOutput
+from glm5.layers.moe import MoE, RebalanceReport, rebalance_experts
 from glm5.layers.mtp import MissingMTPWeights, MTPLayer
 from glm5.layers.vision import flatten_video_grid
 
@@ -67,6 +71,33 @@ class EncoderCache:
 DECODE_PATHS = ("auto", "batched", "per_request")
 
 
+@dataclass
+class ChunkSpec:
+    """One request's rows of a packed step, as host values (what :class:`SeqChunk` is built from)."""
+
+    start: int
+    num_tokens: int
+    context_len: int
+    block_table: list[int]
+    state_slot: int
+    record_states: bool = False
+
+
+@dataclass
+class PackedStep:
+    """A packed forward pass as plain host data: what the driver sends to every rank of a distributed engine
+    (small and picklable; each rank builds its :class:`ForwardBatch` from it on its own device)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    chunks: list[ChunkSpec]
+    logits_rows: list[int]
+    mm_rows: list[int] | None = None
+    mm_embeds: torch.Tensor | None = None   # [M, H] on the host
+    # prompt logprobs: (chunk index, first logits row, rows, first position), see glm5.engine.prompt_logprobs
+    prompt_logprob_rows: list = field(default_factory=list)
+
+
 class ModelRunner:
     """``decode_path``: ``batched`` runs pure decode steps (one token per request, no drafts) through
     the batch-wide, sync-free path (:class:`~glm5.layers.batch.DecodeMeta`), ``per_request`` through the
@@ -76,11 +107,14 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], cache_cfg: CacheConfig,
                  device: torch.device, dtype: torch.dtype, use_mtp: bool = False, index_fp8: bool = False,
                  max_model_len: int | None = None, decode_path: str = "auto", encoder_cache_bytes: int = 64 * 2**20,
-                 draft_vocab: torch.Tensor | None = None):
+                 par: ParallelContext | None = None, draft_vocab: torch.Tensor | None = None):
+        """``par``: this rank's place in a tensor/expert-parallel engine (``weights`` are then its shards);
+        default a single device."""
         if decode_path not in DECODE_PATHS:
             raise ValueError(f"decode_path={decode_path!r}: choose one of {', '.join(DECODE_PATHS)}")
         self.cfg, self.device, self.dtype = cfg, device, dtype
-        self.model = Glm5ForCausalLM(cfg, weights)
+        self.par = par = par or ParallelContext.single()
+        self.model = Glm5ForCausalLM(cfg, weights, par)
         self.mtp: MTPLayer | None = None
         mla_layers = list(cfg.text.mla_layer_ids)
         if use_mtp:
@@ -88,9 +122,10 @@ class ModelRunner:
                 raise MissingMTPWeights("speculative decoding needs an MTP layer, but the config declares "
                                         "num_nextn_predict_layers = 0; set num_speculative_tokens=0")
             layer = cfg.text.mtp_layer_ids[0]
-            self.mtp = MTPLayer(cfg, weights, layer, self.model.embed, self.model.lm_head, draft_vocab=draft_vocab)
+            self.mtp = MTPLayer(cfg, weights, layer, self.model.embed, self.model.lm_head, par, draft_vocab=draft_vocab)
             mla_layers.append(layer)
-        self.cache = HybridCache(cfg.text, cache_cfg, device, dtype, mla_layers=mla_layers, index_fp8=index_fp8)
+        self.cache = HybridCache(cfg.text, cache_cfg, device, dtype, mla_layers=mla_layers, index_fp8=index_fp8,
+                                 kda_heads=cfg.text.linear_num_heads // par.tp_size)
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.vision_calls = 0
         self.batched_decode = decode_path == "batched" or (decode_path == "auto" and device.type == "cuda")
@@ -174,10 +209,11 @@ class ModelRunner:
             mm.positions, mm.embeds = pos[order], emb[order]
 
     # ------------------------------------------------------------------ step
-    def prepare(self, sched: SchedulerOutput) -> tuple[ForwardBatch, list[tuple[int, int, int]]]:
-        """Pack the step. Also returns, per sampling chunk, ``(chunk index, first logits row, rows)``:
-        one row for a plain chunk, ``1 + drafts`` for a verification chunk."""
-        ids, pos, seqs, logit_rows, sample_idx, prompt_lp = [], [], [], [], [], []
+    def pack(self, sched: SchedulerOutput) -> tuple[PackedStep, list[tuple[int, int, int]]]:
+        """The step as host data (vision embeddings computed first). Also returns, per sampling chunk,
+        ``(chunk index, first logits row, rows)``: one row for a plain chunk, ``1 + drafts`` for a verification
+        chunk."""
+        ids, pos, chunks, logit_rows, sample_idx, prompt_lp = [], [], [], [], [], []
         mm_rows, mm_embeds = [], []
         start = 0
         self.encode_multimodal([c.seq for c in sched.chunks])
@@ -189,13 +225,13 @@ class ModelRunner:
             else:
                 ids.extend(s.tokens(lo, hi))
             pos.extend(range(lo, hi))
-            seqs.append(SeqChunk(start=start, num_tokens=c.num_tokens, context_len=lo,
-                                 block_table=torch.tensor(s.block_table, dtype=torch.long, device=self.device),
-                                 state_slot=s.state_slot, record_states=c.num_drafts > 0))
+            chunks.append(ChunkSpec(start=start, num_tokens=c.num_tokens, context_len=lo,
+                                    block_table=list(s.block_table), state_slot=s.state_slot,
+                                    record_states=c.num_drafts > 0))
             if s.mm is not None and s.mm.positions is not None:
                 sel = (s.mm.positions >= lo) & (s.mm.positions < hi)
                 if sel.any():
-                    mm_rows.append(s.mm.positions[sel] - lo + start)
+                    mm_rows.extend((s.mm.positions[sel] - lo + start).tolist())
                     mm_embeds.append(s.mm.embeds[sel])
             scored = prompt_rows(s, lo, hi)
             if scored is not None:
@@ -206,23 +242,52 @@ class ModelRunner:
                 sample_idx.append((ci, len(logit_rows), n_rows))
                 logit_rows.extend(range(start + c.num_tokens - n_rows, start + c.num_tokens))
             start += c.num_tokens
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(pos, dtype=torch.long, device=self.device),
-            seqs=seqs,
-            logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=self.device),
-            mm_embeds=torch.cat(mm_embeds).to(self.device) if mm_embeds else None,
-            mm_rows=torch.cat(mm_rows).to(self.device) if mm_rows else None,
-            prompt_logprob_rows=prompt_lp,
-        )
-        return batch, sample_idx
+        step = PackedStep(input_ids=ids, positions=pos, chunks=chunks, logits_rows=logit_rows,
+                          mm_rows=mm_rows or None, mm_embeds=torch.cat(mm_embeds).cpu() if mm_embeds else None,
+                          prompt_logprob_rows=prompt_lp)
+        return step, sample_idx
+
+    def batch_from(self, step: PackedStep, shared_pools: dict | None = None) -> ForwardBatch:
+        """The :class:`ForwardBatch` of a packed step on this runner's device."""
+        dev = self.device
+        return ForwardBatch(
+            input_ids=torch.tensor(step.input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(step.positions, dtype=torch.long, device=dev),
+            seqs=[SeqChunk(start=c.start, num_tokens=c.num_tokens, context_len=c.context_len,
+                           block_table=torch.tensor(c.block_table, dtype=torch.long, device=dev),
+                           state_slot=c.state_slot, record_states=c.record_states) for c in step.chunks],
+            logits_indices=torch.tensor(step.logits_rows, dtype=torch.long, device=dev),
+            mm_embeds=step.mm_embeds.to(dev) if step.mm_embeds is not None else None,
+            mm_rows=torch.tensor(step.mm_rows, dtype=torch.long, device=dev) if step.mm_rows else None,
+            shared_pools=shared_pools, prompt_logprob_rows=list(step.prompt_logprob_rows))
+
+    def prepare(self, sched: SchedulerOutput) -> tuple[ForwardBatch, list[tuple[int, int, int]]]:
+        """Pack the step into a device batch (see :meth:`pack`)."""
+        step, sample_idx = self.pack(sched)
+        return self.batch_from(step), sample_idx
+
+    def forward_packed(self, step: PackedStep) -> tuple[ForwardBatch, ModelOutput]:
+        batch = self.batch_from(step)
+        return batch, self.model.forward(batch, self.cache)
 
     def execute(self, sched: SchedulerOutput) -> tuple[ForwardBatch, ModelOutput, list[tuple[int, int, int]]]:
         rows = self._decode_rows(sched) if self.batched_decode else None
         if rows is not None:
             return self._execute_decode(sched, rows)
-        batch, sample_idx = self.prepare(sched)
-        return batch, self.model.forward(batch, self.cache), sample_idx
+        step, sample_idx = self.pack(sched)
+        batch, out = self.forward_packed(step)
+        return batch, out, sample_idx
+
+    def reset_slot(self, slot: int) -> None:
+        """Zero a state slot before a new request uses it."""
+        self.cache.reset_slot(slot)
+
+    #: the snapshot pool the prefix cache uses over :meth:`kv_cache_view` (a distributed runner's replicates)
+    snapshot_pool_cls = StateSnapshotPool
+
+    def kv_cache_view(self) -> HybridCache:
+        """The cache the KV-cache manager mutates (slot resets, snapshot copies): this runner's own."""
+        return self.cache
 
     # ------------------------------------------------------------------ batched decode / CUDA graphs
     def capture_cuda_graphs(self, max_batch: int | None = None) -> str | None:
@@ -238,12 +303,16 @@ class ModelRunner:
             reason = "the torch MoE (per-expert loop) syncs with the host; use moe_backend=triton"
         elif index_backend(self.device, self.dtype) != "triton":
             reason = "index_backend is torch"
+        elif self.par.config.expert_parallel and self.par.config.ep_dispatch == "all2all":
+            reason = "ep_dispatch=all2all exchanges its send sizes on the host; use allgather_reducescatter"
         if reason is not None:
             logger.info("decode CUDA graphs off: %s", reason)
             return reason
         buckets = graph_buckets(min(max_batch or self.stager.max_batch, self.stager.max_batch))
         self.graphs = DecodeGraphRunner(self.model, self.cache, self.stager, buckets, prepare=self._prepare_decode)
+        before = torch.cuda.memory_reserved(self.device)
         self.graphs.capture()
+        self.graph_bytes = torch.cuda.memory_reserved(self.device) - before
         return None
 
     def _decode_rows(self, sched: SchedulerOutput) -> DecodeRows | None:
@@ -263,14 +332,17 @@ class ModelRunner:
             rows.block_tables.append(s.block_table)
         return rows
 
-    def _execute_decode(self, sched: SchedulerOutput, rows: DecodeRows
-                        ) -> tuple[ForwardBatch, ModelOutput, list[tuple[int, int, int]]]:
+    def forward_decode(self, rows: DecodeRows) -> tuple[ForwardBatch, ModelOutput]:
+        """A pure decode step on the batched path: a captured graph when one fits, else staged and run eagerly."""
         n = len(rows)
         if self.graphs is not None and self.graphs.bucket_for(n) is not None:
-            batch, out = self.graphs.run(rows)
-        else:
-            batch = self.stager.stage(rows, n, self._prepare_decode)
-            out = self.model.forward(batch, self.cache)
+            return self.graphs.run(rows)
+        batch = self.stager.stage(rows, n, self._prepare_decode)
+        return batch, self.model.forward(batch, self.cache)
+
+    def _execute_decode(self, sched: SchedulerOutput, rows: DecodeRows
+                        ) -> tuple[ForwardBatch, ModelOutput, list[tuple[int, int, int]]]:
+        batch, out = self.forward_decode(rows)
         if self.mtp is not None:  # the MTP proposal reads each request's rows from batch.seqs
             meta = batch.decode
             # block_table here: the request's row of the padded int32 decode buffer (valid for this step only)
@@ -279,6 +351,92 @@ class ModelRunner:
                           for i, (p, slot) in enumerate(zip(rows.positions, rows.state_slots))]
         sample_idx = [(ci, ci, 1) for ci, c in enumerate(sched.chunks) if c.samples]
         return batch, out, sample_idx
+
+    # ------------------------------------------------------------------ measurements (every rank; bench/multigpu.py)
+    #: methods a distributed driver may run on every rank through :meth:`call_all`
+    RANK_CALLS = frozenset({"fill_cache_random", "memory_report", "profile_decode"})
+    load_seconds = init_seconds = 0.0
+    graph_bytes = 0
+
+    def run_decode_step(self, rows: DecodeRows) -> tuple[ForwardBatch, ModelOutput]:
+        """One pure decode step on the batched path (a graph replay when one fits), on every rank."""
+        return self.forward_decode(rows)
+
+    def run_packed(self, step: PackedStep) -> tuple[ForwardBatch, ModelOutput]:
+        """One packed forward (prefill chunks, verification rows), on every rank."""
+        return self.forward_packed(step)
+
+    def call_all(self, name: str, *args) -> list:
+        """``getattr(runner, name)(*args)`` on every rank; the results in rank order."""
+        if name not in self.RANK_CALLS:
+            raise ValueError(f"{name!r} is not a per-rank call; choose one of {sorted(self.RANK_CALLS)}")
+        return [getattr(self, name)(*args)]
+
+    def fill_cache_random(self, seed: int) -> None:
+        """Random cache contents (a decode step's cost depends on the cache sizes, not the values)."""
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        for group, std in ((self.cache.latent, 1.0), (self.cache.pool_keys, 1.0), (self.cache.recurrent, 0.02),
+                           (self.cache.conv, 1.0)):
+            for t in group.values():
+                if t.is_floating_point() and t.element_size() > 1:
+                    t.normal_(0.0, std, generator=g)
+
+    def memory_report(self) -> dict:
+        """Bytes this rank holds: weights (the loaded shards), caches, decode graphs; CUDA allocator totals."""
+        seen: set[int] = set()
+        weights = 0
+        for t in self.model.weights.values():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                weights += t.numel() * t.element_size()
+        out = {"rank": self.par.ranks.rank, "device": str(self.device), "weights": weights,
+               "cache": self.cache.nbytes(), "graphs": self.graph_bytes, "load_s": self.load_seconds,
+               "init_s": self.init_seconds}
+        state = sum(t.numel() * t.element_size() for g in (self.cache.conv, self.cache.recurrent, self.cache.tail)
+                    for t in g.values())
+        out["state_slots"] = state
+        if self.device.type == "cuda":
+            out.update(cuda_allocated=torch.cuda.memory_allocated(self.device),
+                       cuda_reserved=torch.cuda.memory_reserved(self.device),
+                       cuda_max_allocated=torch.cuda.max_memory_allocated(self.device))
+        return out
+
+    def profile_decode(self, rows: DecodeRows) -> dict:
+        """One eager batched decode step under the profiler: summed kernel (CUDA) or op (CPU) time and the part
+        spent in collectives (NCCL kernels / gloo ops)."""
+        batch = self.stager.stage(rows, len(rows), self._prepare_decode)
+        self.model.forward(batch, self.cache)
+        acts = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            batch = self.stager.stage(rows, len(rows), self._prepare_decode)
+            self.model.forward(batch, self.cache)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        events = prof.key_averages()
+        if self.device.type == "cuda":
+            ev = [e for e in events if e.device_type.name == "CUDA"]
+            total = sum(e.self_device_time_total for e in ev)
+            comm = sum(e.self_device_time_total for e in ev if "nccl" in e.key.lower())
+        else:
+            total = sum(e.self_cpu_time_total for e in events)
+            comm = sum(e.self_cpu_time_total for e in events if e.key.startswith(("gloo:", "c10d::", "record_param")))
+        return {"rank": self.par.ranks.rank, "kernel_s": total / 1e6, "comm_s": comm / 1e6}
+
+    # ------------------------------------------------------------------ expert-parallel load balancing
+    def moe_layers(self) -> list[MoE]:
+        layers = self.model.moe_layers()
+        if self.mtp is not None and isinstance(self.mtp.mlp, MoE):
+            layers.append(self.mtp.mlp)
+        return layers
+
+    def rebalance_experts(self) -> RebalanceReport:
+        """One EPLB rebalance of every MoE layer (all ranks together; see :func:`glm5.layers.moe.rebalance_experts`)."""
+        report = rebalance_experts(self.moe_layers(), self.par)
+        logger.info("EPLB: %d/%d MoE layers re-placed, rank imbalance %.3f -> %.3f, %.1f MiB received",
+                    report.moved_layers, report.layers, report.imbalance_before, report.imbalance_after,
+                    report.bytes_received / 2**20)
+        return report
 
     # ------------------------------------------------------------------ speculative decoding
     def commit_accepted(self, batch: ForwardBatch, state_slot: int, valid_rows: int) -> None:
@@ -293,32 +451,31 @@ class ModelRunner:
             else:
                 rec.restore(self.cache.tail[layer][slot], valid_rows)
 
-    def _mtp_batch(self, entries: list[tuple[Sequence, int, list[int]]], want_logits: list[bool],
-                   shared_pools: dict | None) -> ForwardBatch:
-        ids, pos, seqs, rows = [], [], [], []
+    @staticmethod
+    def pack_mtp(entries: list[tuple[Sequence, int, list[int]]], want_logits: list[bool]) -> PackedStep:
+        ids, pos, chunks, rows = [], [], [], []
         start = 0
         for (seq, lo, next_tokens), want in zip(entries, want_logits):
             n = len(next_tokens)
             ids.extend(next_tokens)
             pos.extend(range(lo, lo + n))
-            seqs.append(SeqChunk(start=start, num_tokens=n, context_len=lo,
-                                 block_table=torch.tensor(seq.block_table, dtype=torch.long, device=self.device),
-                                 state_slot=seq.state_slot))
+            chunks.append(ChunkSpec(start=start, num_tokens=n, context_len=lo, block_table=list(seq.block_table),
+                                    state_slot=seq.state_slot))
             if want:
                 rows.append(start + n - 1)
             start += n
-        return ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-                            positions=torch.tensor(pos, dtype=torch.long, device=self.device), seqs=seqs,
-                            logits_indices=torch.tensor(rows, dtype=torch.long, device=self.device),
-                            shared_pools=shared_pools)
+        return PackedStep(input_ids=ids, positions=pos, chunks=chunks, logits_rows=rows)
+
+    def mtp_forward_packed(self, step: PackedStep, hidden: torch.Tensor,
+                           shared_pools: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.mtp.forward(self.batch_from(step, shared_pools), hidden, self.cache)
 
     def mtp_forward(self, entries: list[tuple[Sequence, int, list[int]]], hidden: torch.Tensor,
                     want_logits: list[bool], shared_pools: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the MTP layer on rows ``(seq, first position, next tokens)``; ``hidden`` holds the matching
         target (or recycled) hidden rows in the same order. Returns (logits of the last row of every
         entry with ``want_logits``, recycled hidden of every row)."""
-        batch = self._mtp_batch(entries, want_logits, shared_pools)
-        return self.mtp.forward(batch, hidden, self.cache)
+        return self.mtp_forward_packed(self.pack_mtp(entries, want_logits), hidden, shared_pools)
 
     def snapshot_mtp_tails(self, slots: list[int]) -> torch.Tensor:
         layer = self.mtp.layer

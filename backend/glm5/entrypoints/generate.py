@@ -59,8 +59,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fixed: always --num-speculative-tokens drafts; adaptive: k per step (docs/speculative.md)")
     p.add_argument("--draft-vocab-size", type=int, default=0,
                    help="draft over the N most frequent tokens of <model>/draft_vocab.json (0: full vocabulary)")
+    add_parallel_arguments(p)
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
+    """The several-device flags (vLLM's names; docs/parallelism.md)."""
+    g = p.add_argument_group("several devices")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks (devices, or gloo processes with --device cpu) splitting heads, MLPs and vocabulary")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="partition the routed experts over the ranks instead of splitting each expert")
+    g.add_argument("--expert-parallel-size", type=int, default=None,
+                   help="experts over this many ranks (a multiple of TP; more than TP replicates the attention)")
+    g.add_argument("--enable-eplb", action="store_true", help="expert-parallel load balancing")
+    g.add_argument("--num-redundant-experts", type=int, default=0, help="EPLB: extra physical experts per layer")
+    g.add_argument("--eplb-step-interval", type=int, default=1000, help="EPLB: engine steps between rebalances")
+    g.add_argument("--ep-dispatch", default="allgather_reducescatter", choices=("allgather_reducescatter", "all2all"))
+    g.add_argument("--distributed", action="store_true", help="use the distributed executor even on one device")
+    g.add_argument("--nnodes", type=int, default=1, help="machines (the others run `glm5 worker`)")
+    g.add_argument("--master-addr", default="127.0.0.1", help="rendezvous address the other machines reach")
+    g.add_argument("--master-port", type=int, default=0, help="rendezvous port (0: any free one; fixed for nnodes > 1)")
+
+
+def parallel_engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
+                expert_parallel_size=args.expert_parallel_size, enable_eplb=args.enable_eplb,
+                num_redundant_experts=args.num_redundant_experts, eplb_step_interval=args.eplb_step_interval,
+                ep_dispatch=args.ep_dispatch, distributed=args.distributed, nnodes=args.nnodes,
+                master_addr=args.master_addr, master_port=args.master_port)
 
 
 def _prompts(args: argparse.Namespace) -> list[PromptInput]:
@@ -113,7 +141,15 @@ def run(args: argparse.Namespace) -> int:
                                   num_speculative_tokens=args.num_speculative_tokens,
                                   quantization=args.quantization,
                                   enable_prefix_caching=args.enable_prefix_caching,
-                                  speculative_policy=args.speculative_policy, draft_vocab_size=args.draft_vocab_size))
+                                  speculative_policy=args.speculative_policy, draft_vocab_size=args.draft_vocab_size,
+                                  **parallel_engine_kwargs(args)))
+    try:
+        return _generate(engine, args)
+    finally:
+        engine.shutdown()
+
+
+def _generate(engine: LLMEngine, args: argparse.Namespace) -> int:
     prompts, params = _prompts(args), _params(args)
     t0 = time.time()
     results: dict[str, dict] = {}
@@ -159,4 +195,7 @@ def generate(prompts: list[str | list[int] | PromptInput], params: SamplingParam
              model: str | None = None, **engine_kwargs) -> list:
     """Notebook API: ``glm5.generate(["Hello"], SamplingParams(max_tokens=8))`` → list of CompletionOutput."""
     engine = LLMEngine(EngineArgs(model=model or str(ensure_default_checkpoint()), **engine_kwargs))
-    return engine.generate(prompts, params)
+    try:
+        return engine.generate(prompts, params)
+    finally:
+        engine.shutdown()

@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import ModelConfig
+from glm5.distributed import ParallelContext
 from glm5.layers.batch import ForwardBatch
 from glm5.layers.elementwise import rms_norm
 from glm5.layers.kda import KDALayer
@@ -19,16 +19,18 @@ from glm5.layers.mhc import HyperConnection
 from glm5.layers.mla import MLALayer
 from glm5.layers.mlp import DenseMLP
 from glm5.layers.moe import MoE
+from glm5.layers.parallel import ParallelLMHead, VocabParallelEmbedding
 from glm5.layers.vision import VisionTower
 
 
 class DecoderLayer:
-    def __init__(self, weights: dict[str, torch.Tensor], layer: int, cfg: ModelConfig):
+    def __init__(self, weights: dict[str, torch.Tensor], layer: int, cfg: ModelConfig, par: ParallelContext):
         t = cfg.text
         p = f"layers.{layer}"
-        self.attn = KDALayer(weights, layer, t) if t.layer_kinds[layer] == "kda" else MLALayer(weights, layer, t)
-        self.mlp = DenseMLP(weights, f"{p}.mlp", t.swiglu_limit) if t.mlp_kinds[layer] == "dense" \
-            else MoE(weights, f"{p}.mlp", t)
+        self.attn = KDALayer(weights, layer, t, par) if t.layer_kinds[layer] == "kda" \
+            else MLALayer(weights, layer, t, par)
+        self.mlp = DenseMLP(weights, f"{p}.mlp", t.swiglu_limit, par) if t.mlp_kinds[layer] == "dense" \
+            else MoE(weights, f"{p}.mlp", t, par)
         self.attn_hc = HyperConnection(weights, f"{p}.hc_attn", t)
         self.ffn_hc = HyperConnection(weights, f"{p}.hc_ffn", t)
         self.in_norm = weights[f"{p}.input_layernorm.weight"]
@@ -49,13 +51,18 @@ class ModelOutput:
 
 
 class Glm5ForCausalLM:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]):
+    """``par``: this rank's place in a tensor/expert-parallel layout; ``weights`` are then the rank's shards
+    (:mod:`glm5.distributed.sharding`). The embedding and LM head are vocab-parallel, mHC and norms replicated."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], par: ParallelContext | None = None):
         self.cfg = cfg
+        self.par = par = par or ParallelContext.single()
         t = cfg.text
-        self.embed = weights["embed_tokens.weight"]
-        self.layers = [DecoderLayer(weights, i, cfg) for i in range(t.num_hidden_layers)]
+        self.embed = VocabParallelEmbedding(weights["embed_tokens.weight"], par)
+        self.layers = [DecoderLayer(weights, i, cfg, par) for i in range(t.num_hidden_layers)]
         self.norm = weights["norm.weight"]
-        self.lm_head = Linear(weights["embed_tokens.weight"]) if t.tie_word_embeddings else Linear.load(weights, "lm_head")
+        self.lm_head = ParallelLMHead(Linear(weights["embed_tokens.weight"]) if t.tie_word_embeddings
+                                      else Linear.load(weights, "lm_head"), par, t.vocab_size)
         self.vision = VisionTower(weights, cfg.vision) if cfg.vision is not None and "visual.patch_embed.proj.weight" in weights else None
         self.weights = weights
 
@@ -63,9 +70,12 @@ class Glm5ForCausalLM:
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
+    def moe_layers(self) -> list[MoE]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+
     @torch.no_grad()
     def embed_tokens(self, batch: ForwardBatch) -> torch.Tensor:
-        h = F.embedding(batch.input_ids, self.embed)
+        h = self.embed(batch.input_ids)
         if batch.mm_embeds is not None and batch.mm_rows is not None and batch.mm_rows.numel():
             h[batch.mm_rows] = batch.mm_embeds.to(h.dtype)
         return h

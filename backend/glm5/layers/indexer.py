@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import TextConfig
+from glm5.distributed import ParallelContext
 from glm5.layers.backends import index_backend
 from glm5.layers.batch import DecodeMeta, SeqChunk
 from glm5.layers.linear import Linear
@@ -48,7 +49,14 @@ class TailRecord:
 
 
 class KPoolIndexer:
-    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, cfg: TextConfig):
+    """Under tensor parallelism a rank scores with ``index_n_heads / TP`` heads (its rows of ``wq_b`` and
+    ``weights_proj``). The score is a sum over heads, so the ranks' partial scores are all-reduced *before* the
+    top-k: every rank then selects the same pools as one device would. The pooled key (``wk``, norm, compress
+    gate) is shared by all heads, so the key path and the pool / tail caches are replicated."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, cfg: TextConfig,
+                 par: ParallelContext | None = None):
+        self.par = par or ParallelContext.single()
         self.cfg = cfg
         self.wq_b = Linear.load(weights, f"{prefix}.wq_b")
         self.wk = Linear.load(weights, f"{prefix}.wk")
@@ -58,7 +66,8 @@ class KPoolIndexer:
         self.gate = Linear(weights[f"{prefix}.index_kpool_compress_gate"])
         self.ape = weights[f"{prefix}.index_kpool_compress_ape"].float()
         self.kpool = cfg.index_kpool
-        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.n_heads, self.head_dim = cfg.index_n_heads // self.par.tp_size, cfg.index_head_dim
+        self.head_w_scale = cfg.index_n_heads ** -0.5  # the model's head count, not the rank's
         self.n_select = cfg.index_topk // cfg.index_kpool
 
     def keys(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,17 +148,18 @@ class KPoolIndexer:
         """Index scores ``[n, n_pools]`` fp32 of one request's queries over its first ``n_pools`` pools."""
         device = x.device
         q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
-        w = self.w_heads(x).float() * self.n_heads ** -0.5
+        w = self.w_heads(x).float() * self.head_w_scale
         scales = cache.pool_scales[layer] if cache.index_fp8 else None
         if index_backend(device, cache.dtype) == "triton":
             # the kernel reads the pooled keys in place: no [n, heads, pools] fp32 intermediate
             from glm5_kernels.indexer import indexer_scores
             rows = torch.zeros(q.shape[0], dtype=torch.int32, device=device)
-            return indexer_scores(q, w, cache.pool_keys[layer], scales, seq.block_table.to(torch.int32)[None], rows,
-                                  n_complete, cache.pools_per_block, self.head_dim ** -0.5, n_pools)
+            return self.par.tp_all_reduce(indexer_scores(
+                q, w, cache.pool_keys[layer], scales, seq.block_table.to(torch.int32)[None], rows, n_complete,
+                cache.pools_per_block, self.head_dim ** -0.5, n_pools))
         slots = cache.pool_slots(seq.block_table, torch.arange(n_pools, device=device))
-        return index_scores_ref(q, w, cache.pool_keys[layer][slots], None if scales is None else scales[slots],
-                                self.head_dim ** -0.5)
+        return self.par.tp_all_reduce(index_scores_ref(q, w, cache.pool_keys[layer][slots],
+                                                       None if scales is None else scales[slots], self.head_dim ** -0.5))
 
     def commit_tail(self, layer: int, buffers, slots: torch.Tensor, ctx: torch.Tensor, n_valid: torch.Tensor, t: int,
                     cache: HybridCache) -> None:
@@ -194,10 +204,12 @@ class KPoolIndexer:
             scores = torch.zeros(n, max(max_pools, 1), dtype=torch.float32, device=x.device)
         else:
             q = self.wq_b(q_resid).view(n, self.n_heads, self.head_dim)
-            w = self.w_heads(x).float() * self.n_heads ** -0.5
+            w = self.w_heads(x).float() * self.head_w_scale
             pool_scales = cache.pool_scales[layer] if cache.index_fp8 else None
-            scores = indexer_scores(q, w, cache.pool_keys[layer], pool_scales, bt, rows, n_complete,
-                                    cache.pools_per_block, self.head_dim ** -0.5, max_pools)
+            # a sum over heads: with the heads split across ranks, reduce the partial sums before the top-k
+            scores = self.par.tp_all_reduce(indexer_scores(q, w, cache.pool_keys[layer], pool_scales, bt, rows,
+                                                           n_complete, cache.pools_per_block, self.head_dim ** -0.5,
+                                                           max_pools))
         args = (scores, n_complete, positions, bt, rows, self.n_select, kp, bs)
         if triton_path:
             counts = torch.empty(n, dtype=torch.int32, device=x.device)
@@ -243,10 +255,11 @@ class KPoolIndexer:
         scores = meta.index_scores.get(layer) if meta.index_scores is not None else None
         if scores is None:
             q = self.wq_b(q_resid).view(n, self.n_heads, self.head_dim)
-            w = self.w_heads(x).float() * self.n_heads ** -0.5
+            w = self.w_heads(x).float() * self.head_w_scale
             max_pools = meta.block_tables.shape[1] * cache.pools_per_block
-            scores = indexer_scores(q, w, pool_keys, scales, meta.block_tables, row_seq, n_complete,
-                                    cache.pools_per_block, self.head_dim ** -0.5, max_pools)
+            scores = self.par.tp_all_reduce(indexer_scores(q, w, pool_keys, scales, meta.block_tables, row_seq,
+                                                           n_complete, cache.pools_per_block, self.head_dim ** -0.5,
+                                                           max_pools))
             if meta.scores_out is not None:
                 meta.scores_out[layer] = scores
         args = (scores, n_complete, positions, meta.block_tables, row_seq, self.n_select, kp, bs)

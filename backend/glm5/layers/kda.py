@@ -17,10 +17,12 @@ import torch.nn.functional as F
 
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import TextConfig
+from glm5.distributed import ParallelContext
 from glm5.layers.backends import fuse_backend, kda_backend
 from glm5.layers.batch import ForwardBatch
 from glm5.layers.elementwise import gated_rms_norm
 from glm5.layers.linear import Linear
+from glm5.layers.parallel import RowParallelLinear
 from glm5_kernels.kda_decode_ref import kda_conv_step_ref
 from glm5_kernels.kda_verify_ref import kda_commit_recurrence_ref, kda_gate, kda_step, kda_verify_recurrence_ref
 from glm5_kernels.norms_ref import l2_normalize
@@ -97,15 +99,22 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 
 class KDALayer:
-    def __init__(self, weights: dict[str, torch.Tensor], layer: int, cfg: TextConfig):
+    """Under tensor parallelism a rank runs ``linear_num_heads / TP`` heads: their q/k/v/β/gate rows, convs,
+    decay parameters and state slots are the rank's; the low-rank ``f_a`` / ``g_a`` inputs are replicated and
+    ``o_proj`` is row-parallel (all-reduce)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], layer: int, cfg: TextConfig,
+                 par: ParallelContext | None = None):
+        par = par or ParallelContext.single()
         p = f"layers.{layer}.self_attn"
         self.layer = layer
         self.cfg = cfg
-        self.heads, self.head_dim = cfg.linear_num_heads, cfg.linear_head_dim
+        self.heads, self.head_dim = cfg.linear_num_heads // par.tp_size, cfg.linear_head_dim
         self.dim = self.heads * self.head_dim
         # fused input projection: q | k | v | f_a | g_a | b
         self.in_proj = Linear.concat([Linear.load(weights, f"{p}.{n}_proj") for n in ("q", "k", "v", "f_a", "g_a", "b")])
-        self.splits = [3 * self.dim, self.head_dim, self.head_dim, self.heads]
+        rank_f, rank_g = weights[f"{p}.f_a_proj.weight"].shape[0], weights[f"{p}.g_a_proj.weight"].shape[0]
+        self.splits = [3 * self.dim, rank_f, rank_g, self.heads]
         # depthwise causal conv weights [3D, K] in q|k|v order
         self.conv_w = torch.cat([weights[f"{p}.{n}_conv1d.weight"] for n in ("q", "k", "v")]).squeeze(1)
         self.f_b = Linear.load(weights, f"{p}.f_b_proj")
@@ -115,7 +124,7 @@ class KDALayer:
         self.o_norm = weights[f"{p}.o_norm.weight"]
         self.a_log_flat = self.a_log.float().reshape(-1).contiguous()      # [H] for fla's in-kernel gate
         self.dt_bias_flat = self.dt_bias.float().reshape(-1).contiguous()  # [H * d]
-        self.o_proj = Linear.load(weights, f"{p}.o_proj")
+        self.o_proj = RowParallelLinear.load(weights, f"{p}.o_proj", par)
         self._conv_inputs: dict[int, torch.Tensor] = {}  # recording chunks' conv inputs, per state slot
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:

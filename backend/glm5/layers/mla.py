@@ -19,20 +19,28 @@ import torch.nn.functional as F
 
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import TextConfig
+from glm5.distributed import ParallelContext
 from glm5.layers.backends import attn_backend, decode_attn_backend
 from glm5.layers.batch import ForwardBatch, SeqChunk
 from glm5.layers.elementwise import rms_norm
 from glm5.layers.indexer import KPoolIndexer
 from glm5.layers.linear import Linear, split_heads
+from glm5.layers.parallel import RowParallelLinear
 
 ABSORB_MAX_TOKENS = 8
 
 
 class MLALayer:
-    def __init__(self, weights: dict[str, torch.Tensor], layer: int, cfg: TextConfig):
+    """Under tensor parallelism a rank runs ``num_attention_heads / TP`` heads (its rows of ``q_b_proj`` and
+    ``kv_b_proj``); the latent ``c_kv`` feeds every head, so ``q_a`` / ``kv_a`` and the latent cache are
+    replicated, and ``o_proj`` is row-parallel (all-reduce)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], layer: int, cfg: TextConfig,
+                 par: ParallelContext | None = None):
+        par = par or ParallelContext.single()
         p = f"layers.{layer}.self_attn"
         self.layer, self.cfg = layer, cfg
-        self.heads = cfg.num_attention_heads
+        self.heads = cfg.num_attention_heads // par.tp_size
         self.d_qk, self.d_v, self.rank = cfg.qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         self.q_a = Linear.load(weights, f"{p}.q_a_proj")
         self.q_a_norm = weights[f"{p}.q_a_layernorm.weight"]
@@ -40,12 +48,13 @@ class MLALayer:
         self.kv_a = Linear.load(weights, f"{p}.kv_a_proj_with_mqa")
         self.kv_a_norm = weights[f"{p}.kv_a_layernorm.weight"]
         self.kv_b = Linear.load(weights, f"{p}.kv_b_proj")
-        self.o_proj = Linear.load(weights, f"{p}.o_proj")
-        # absorbed views of kv_b: W_UKᵀ [h, r, d_qk] (q → latent query), W_UV [h, d_v, r] (latent → output);
-        # fp8 storage stays fp8 when the head dims are whole 128-row scale blocks (linear.split_heads)
+        self.o_proj = RowParallelLinear.load(weights, f"{p}.o_proj", par)
+        # absorbed views of kv_b (this rank's heads): W_UKᵀ [h, r, d_qk] (q → latent query), W_UV [h, d_v, r]
+        # (latent → output); fp8 storage stays fp8 when the head dims are whole 128-row scale blocks
+        # (linear.split_heads)
         self.w_uk_t, self.w_uv = split_heads(self.kv_b, self.heads, (self.d_qk, self.d_v), self.q_a_norm.dtype)
         self.scale = self.d_qk ** -0.5
-        self.indexer = KPoolIndexer(weights, f"{p}.indexer", cfg)
+        self.indexer = KPoolIndexer(weights, f"{p}.indexer", cfg, par)
         self._kernel_width = self.rank >= 16 and self.rank & (self.rank - 1) == 0  # what the sparse kernel takes
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:

@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from glm5.distributed import ParallelContext
 from glm5.layers.elementwise import clamped_swiglu
 from glm5.layers.linear import Linear
+from glm5.layers.parallel import RowParallelLinear
 
 
 def swiglu_mlp(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor, limit: float,
@@ -24,12 +26,18 @@ def swiglu_mlp(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w
 
 class DenseMLP:
     """SwiGLU of the first ``first_k_dense_replace`` layers and of the shared experts
-    (``{prefix}.{gate,up,down}_proj``)."""
+    (``{prefix}.{gate,up,down}_proj``).
 
-    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, limit: float):
+    Under tensor parallelism gate/up are column-parallel (the rank's slice of the intermediate dim) and down is
+    row-parallel; ``reduce=False`` returns the rank's partial sum (the MoE adds it to the routed partial and
+    reduces once)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, limit: float,
+                 par: ParallelContext | None = None, reduce: bool = True):
+        par = par or ParallelContext.single()
         self.gate = Linear.load(weights, f"{prefix}.gate_proj")
         self.up = Linear.load(weights, f"{prefix}.up_proj")
-        self.down = Linear.load(weights, f"{prefix}.down_proj")
+        self.down = RowParallelLinear.load(weights, f"{prefix}.down_proj", par, reduce)
         self.limit = limit
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from glm5.config import TextConfig
+from glm5.distributed import ParallelContext
+from glm5.distributed.eplb import ExpertMap, initial_placement
 from glm5.layers.backends import moe_backend, router_backend
 from glm5.layers.mlp import DenseMLP
 from glm5_kernels.fp8_ref import SCALE_SUFFIX
@@ -61,10 +63,24 @@ class MoE:
 
     The stacks are either in the model dtype or all three block-scaled fp8 (``float8_e4m3fn`` with
     ``[E, ceil(rows/128), ceil(cols/128)]`` fp32 scales under ``<name>_scale_inv``): the fused kernel then reads
-    fp8 and dequantizes in registers, the torch path dequantizes one touched expert at a time."""
+    fp8 and dequantizes in registers, the torch path dequantizes one touched expert at a time.
 
-    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, cfg: TextConfig):
+    Parallel layouts (:mod:`glm5.distributed`): without expert parallelism every rank holds every expert's slice
+    of the intermediate dim (like a dense MLP) and its output is a partial sum; with it, a rank holds whole
+    experts — its physical experts under EPLB — and computes only the (token, slot) pairs routed to them. Either
+    way the shared expert's partial is added to the routed partial before one reduce (with attention replicas the
+    shared partial is added on the first replica only, so it is counted once). Dispatch under EP
+    (``ep_dispatch``): ``allgather_reducescatter`` — tokens are already on every rank (attention is
+    tensor-parallel), each rank runs its experts on the pairs routed to them, and the partials are combined by a
+    reduce-scatter over token rows plus an all-gather; ``all2all`` — each rank takes a slice of the tokens, sends
+    every pair to the rank owning its expert, gets the weighted results back, and the slices are all-gathered (it
+    moves ``k`` rows per token instead of the whole ``[T, H]`` partial; sizes are exchanged on the host, so this
+    mode runs eagerly, outside CUDA graphs)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, cfg: TextConfig,
+                 par: ParallelContext | None = None):
         self.cfg = cfg
+        self.par = par = par or ParallelContext.single()
         # the torch router runs in fp32: convert once here, not on every step; the Triton router reads the
         # checkpoint's (model dtype) weight with fp32 accumulation
         self.gate_w_model = weights[f"{prefix}.gate.weight"]
@@ -78,15 +94,121 @@ class MoE:
             raise ValueError(f"{prefix}.experts: gate/up/down must all be fp8 or none (scales present: "
                              f"{[s is not None for s in scales]}); load with quantization=none or fp8")
         self.scales = None if scales[0] is None else tuple(scales)
-        self.shared = DenseMLP(weights, f"{prefix}.shared_experts", cfg.swiglu_limit)
+        self.shared = DenseMLP(weights, f"{prefix}.shared_experts", cfg.swiglu_limit, par, reduce=False) \
+            if f"{prefix}.shared_experts.gate_proj.weight" in weights else None
         self.router_workspace = RouterWorkspace()
+        self.experts: ExpertMap | None = None
+        if par.config.expert_parallel:
+            pc = par.config
+            p2l = initial_placement(cfg.n_routed_experts, pc.num_redundant_experts)
+            self.experts = ExpertMap.build(p2l, cfg.n_routed_experts, par.ep_rank, par.ep_size, self.gate_w.device)
+            if self.w_gate.shape[0] != self.experts.per_rank:
+                raise ValueError(f"{prefix}: {self.w_gate.shape[0]} local experts loaded, the placement gives this "
+                                 f"rank {self.experts.per_rank}; load the weights with the same parallel config")
+        self.count_load = par.config.enable_eplb
+
+    def expert_tensors(self) -> list[torch.Tensor]:
+        """The per-local-expert tensors (dim 0 = local physical expert) an EPLB rebalance moves."""
+        return [self.w_gate, self.w_up, self.w_down] + (list(self.scales) if self.scales is not None else [])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         routing = route(x, self.gate_w, self.bias, self.cfg, self.gate_w_model, self.router_workspace)
-        shared = self.shared(x)
+        shared = self.shared(x) if self.shared is not None else None
+        if self.experts is None:
+            out = self._routed(x, routing.weights, routing.experts)
+            if shared is not None:
+                out = out + shared
+            return self.par.tp_all_reduce(out)
+        phys = self.experts.to_physical(routing.experts, self.count_load)
+        if self.par.config.ep_dispatch == "all2all":
+            out = self._routed_all2all(x, routing.weights, phys)
+            if shared is not None:
+                out = out + self.par.tp_all_reduce(shared)
+            return out
+        out = self._routed(x, routing.weights, phys, self.experts.local_of_physical)
+        if shared is not None and self.par.ranks.replica == 0:
+            out = out + shared
+        return self.par.ep_reduce_scatter_gather(out)
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                expert_map: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's experts on the pairs routed to them (all pairs without an ``expert_map``)."""
         if moe_backend(x.device, x.dtype) == "triton":
             from glm5_kernels.fused_moe import fused_moe
-            return fused_moe(x, self.w_gate, self.w_up, self.w_down, routing.weights, routing.experts,
-                             self.cfg.swiglu_limit, scales=self.scales) + shared
-        return fused_moe_ref(x, self.w_gate, self.w_up, self.w_down, routing.weights, routing.experts,
-                             self.cfg.swiglu_limit, scales=self.scales) + shared
+            return fused_moe(x, self.w_gate, self.w_up, self.w_down, weights, ids, self.cfg.swiglu_limit,
+                             scales=self.scales, expert_map=expert_map)
+        return fused_moe_ref(x, self.w_gate, self.w_up, self.w_down, weights, ids, self.cfg.swiglu_limit,
+                             scales=self.scales, expert_map=expert_map)
+
+    def _routed_all2all(self, x: torch.Tensor, weights: torch.Tensor, phys: torch.Tensor) -> torch.Tensor:
+        """All-to-all dispatch and combine of the routed experts (see the class docstring)."""
+        par, per = self.par, self.experts.per_rank
+        world, rank = par.ranks.world_size, par.ranks.rank
+        t, k = phys.shape
+        rows = -(-t // world)
+        lo, hi = min(rank * rows, t), min((rank + 1) * rows, t)
+        mine_e, mine_w = phys[lo:hi].reshape(-1), weights[lo:hi].reshape(-1)
+        token = torch.arange(lo, hi, device=x.device).repeat_interleave(k)
+        dest = torch.div(mine_e, per, rounding_mode="floor")
+        order = torch.sort(dest, stable=True).indices
+        send = torch.bincount(dest, minlength=world)
+        counts = par.ep_all_gather(send)                    # [world, world]: counts[s, d] pairs s sends to d
+        send_n, recv_n = counts[rank].tolist(), counts[:, rank].tolist()
+        meta = torch.stack([(mine_e - dest * per).float(), mine_w.float()], dim=1)[order]
+        recv_x = par.ep_all_to_all(x[token[order]], send_n, recv_n)
+        recv_meta = par.ep_all_to_all(meta, send_n, recv_n)
+        y = self._routed(recv_x, recv_meta[:, 1:2], recv_meta[:, 0:1].long())
+        back = par.ep_all_to_all(y, recv_n, send_n)
+        part = torch.zeros(rows, x.shape[1], dtype=torch.float32, device=x.device)
+        part.index_add_(0, token[order] - lo, back.float())
+        return par.ep_all_gather(part.to(x.dtype)).reshape(world * rows, -1)[:t]
+
+
+@dataclass
+class RebalanceReport:
+    """What one EPLB rebalance did (identical on every rank)."""
+
+    layers: int
+    moved_layers: int
+    bytes_received: int           # by this rank
+    imbalance_before: float       # max / mean tokens per rank over the MoE layers, at the old placement
+    imbalance_after: float        # the same counts at the new placement (replicas share their expert's load)
+
+
+def _rank_imbalance(logical_load: torch.Tensor, placement: list[int], ranks: int) -> float:
+    counts = torch.bincount(torch.tensor(placement), minlength=logical_load.numel()).clamp_min(1).double()
+    per_copy = logical_load.double() / counts
+    per = len(placement) // ranks
+    rank_load = torch.stack([per_copy[torch.tensor(placement[r * per:(r + 1) * per])].sum() for r in range(ranks)])
+    mean = float(rank_load.mean())
+    return float(rank_load.max()) / mean if mean > 0 else 1.0
+
+
+def rebalance_experts(layers: list[MoE], par: ParallelContext) -> RebalanceReport:
+    """EPLB step over ``layers`` (every rank calls it together, at the same point of the step sequence): from
+    each layer's load counters since the last call, a new placement (:func:`glm5.distributed.eplb.rebalance`),
+    the expert weights moved to match, the routing maps rewritten in place, the counters reset."""
+    from glm5.distributed.eplb import exchange_expert_weights, rebalance
+
+    moved, received, before, after = 0, 0, [], []
+    for moe in layers:
+        m = moe.experts
+        if m is None:
+            continue
+        n_log = m.logical_to_physical.shape[0]
+        load = torch.zeros(n_log, dtype=torch.float64, device=m.load.device)
+        load.index_add_(0, m.physical_to_logical, m.load.double())
+        load = load.cpu()
+        old = m.placement()
+        new = rebalance(load.tolist(), old, par.ep_size)
+        before.append(_rank_imbalance(load, old, par.ep_size))
+        after.append(_rank_imbalance(load, new, par.ep_size))
+        if new != old:
+            received += exchange_expert_weights(moe.expert_tensors(), old, new, par.ep_rank, par.ep_size,
+                                                par.world_group)
+            m.set(new)
+            moved += 1
+        m.load.zero_()
+    mean = (lambda xs: sum(xs) / len(xs) if xs else 1.0)
+    return RebalanceReport(layers=len(before), moved_layers=moved, bytes_received=received,
+                           imbalance_before=mean(before), imbalance_after=mean(after))

@@ -8,7 +8,8 @@ Row ``p`` combines the embedding of token ``p+1`` with the target's final hidden
     u += MoE_L(post_attention_layernorm(u))
     h' = shared_head.norm(u);  logits = lm_head(h')
 
-A plain pre-norm block: no mHC. Later draft steps feed ``h'`` back as the hidden (post-norm
+A plain pre-norm block: no mHC. Sharded like the decoder's MLA and MoE layers; ``embed`` / ``lm_head`` are the
+main model's (vocab-parallel) ones; ``eh_proj`` is replicated. Later draft steps feed ``h'`` back as the hidden (post-norm
 recycling) and, with ``index_share_for_mtp_iteration``, reuse the first step's pool selection.
 
 Reduced draft vocabulary (EAGLE-3's idea): with ``draft_vocab`` (token ids, most frequent first) the
@@ -19,11 +20,13 @@ draft logits come from an LM head over those rows only — a copy of them, so a 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
-import torch.nn.functional as F
 
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import ModelConfig
+from glm5.distributed import ParallelContext
 from glm5.layers.batch import ForwardBatch
 from glm5.layers.linear import Linear
 from glm5.layers.mla import MLALayer
@@ -38,7 +41,8 @@ class MissingMTPWeights(ValueError):
 
 class MTPLayer:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], layer: int,
-                 embed: torch.Tensor, lm_head: Linear, draft_vocab: torch.Tensor | None = None):
+                 embed: Callable[[torch.Tensor], torch.Tensor], lm_head: Callable[[torch.Tensor], torch.Tensor],
+                 par: ParallelContext | None = None, draft_vocab: torch.Tensor | None = None):
         t = cfg.text
         p = f"layers.{layer}"
         if f"{p}.eh_proj.weight" not in weights:
@@ -64,15 +68,15 @@ class MTPLayer:
         self.in_norm = weights[f"{p}.input_layernorm.weight"]
         self.post_norm = weights[f"{p}.post_attention_layernorm.weight"]
         self.head_norm = weights[f"{p}.shared_head.norm.weight"]
-        self.attn = MLALayer(weights, layer, t)
-        self.mlp = DenseMLP(weights, f"{p}.mlp", t.swiglu_limit) if t.mtp_mlp_kind() == "dense" \
-            else MoE(weights, f"{p}.mlp", t)
+        self.attn = MLALayer(weights, layer, t, par)
+        self.mlp = DenseMLP(weights, f"{p}.mlp", t.swiglu_limit, par) if t.mtp_mlp_kind() == "dense" \
+            else MoE(weights, f"{p}.mlp", t, par)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor, cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
         """``batch.input_ids`` = the *next* tokens (x[p+1]) at ``batch.positions`` = p; ``hidden`` = h[p].
         Returns (fp32 logits at ``batch.logits_indices``, recycled hidden h' [T, H])."""
-        e = F.embedding(batch.input_ids, self.embed)
+        e = self.embed(batch.input_ids)
         e = e.masked_fill((batch.positions == 0)[:, None], 0.0)
         u = self.eh_proj(torch.cat([rms_norm(e, self.enorm, self.eps), rms_norm(hidden.to(e.dtype), self.hnorm, self.eps)],
                                    dim=-1))

@@ -40,7 +40,10 @@ logger = logging.getLogger(__name__)
 
 _ENGINE_FLAGS = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                  "num_cache_blocks", "cache_memory_gb", "num_speculative_tokens", "seed", "quantization",
-                 "prefix_cache_snapshot_memory_gb", "prefix_cache_checkpoint_interval")
+                 "prefix_cache_snapshot_memory_gb", "prefix_cache_checkpoint_interval",
+                 "tensor_parallel_size", "expert_parallel_size", "num_redundant_experts")
+#: on/off engine settings (vLLM's flag names): present → "true"
+_ENGINE_SWITCHES = ("enable_expert_parallel", "enable_eplb")
 
 
 class ServeConfigError(ValueError):
@@ -85,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "allowed on loopback only)")
     for name in _ENGINE_FLAGS:
         parser.add_argument("--" + name.replace("_", "-"), dest=name, help=f"engine {name} (config parameter)")
+    for name in _ENGINE_SWITCHES:
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, action="store_true",
+                            help=f"engine {name}=true (config parameter)")
     parser.add_argument("--media-caps", help='JSON of MediaCaps fields for every model that takes media, e.g. '
                         '\'{"max_images": 4}\'')
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
@@ -111,6 +117,7 @@ def check_model_dir(path: str) -> Path:
 
 def engine_overrides(args: argparse.Namespace) -> dict[str, str]:
     overrides = {k: str(getattr(args, k)) for k in _ENGINE_FLAGS if getattr(args, k, None) is not None}
+    overrides.update({k: "true" for k in _ENGINE_SWITCHES if getattr(args, k, False)})
     if getattr(args, "enable_prefix_caching", None) is not None:
         overrides["enable_prefix_caching"] = "true" if args.enable_prefix_caching else "false"
     for kv in args.engine_arg:

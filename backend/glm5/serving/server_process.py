@@ -253,6 +253,9 @@ class TritonServerProcess:
             env["LD_LIBRARY_PATH"] = os.pathsep.join(
                 [str(inst.lib_dir)] + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p])
         env[PYTHON_PATH_ENV] = os.pathsep.join(py_path)
+        # a tensor-parallel engine starts one worker process per extra device; inside the stub sys.executable
+        # is the stub, so name the interpreter that has this project installed
+        env.setdefault("GLM5_WORKER_PYTHON", sys.executable)
         env.setdefault("PYTHONIOENCODING", "utf-8")      # the stubs' log lines keep their non-ASCII characters
         if inst.source == "nvidia-pytriton":
             system_python = system_python_for_stub()

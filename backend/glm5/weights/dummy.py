@@ -13,6 +13,7 @@ import math
 import torch
 
 from glm5.config import ModelConfig
+from glm5.distributed.sharding import WeightSharding
 from glm5.weights.names import expected_weight_shapes, is_fp32_weight
 
 
@@ -28,10 +29,18 @@ def _is_norm_weight(name: str) -> bool:
 
 
 def dummy_weights(cfg: ModelConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-                  seed: int = 0, include_mtp: bool = True) -> dict[str, torch.Tensor]:
+                  seed: int = 0, include_mtp: bool = True,
+                  sharding: WeightSharding | None = None, fp8: bool = False) -> dict[str, torch.Tensor]:
     """Random canonical weights for ``cfg`` on ``device``: same names and shapes as
     :func:`glm5.weights.expected_weight_shapes`, ``dtype`` except the fp32 set. Deterministic for a
-    given ``seed`` and device type."""
+    given ``seed`` and device type. ``sharding``: only this rank's shard of each tensor, created directly at
+    its local shape (a rank never materialises the whole model); the values are the rank's own draws, not
+    slices of the unsharded weights (benchmarks only need the shapes).
+
+    ``fp8``: the tensors the fp8 checkpoint stores block-scaled (:func:`glm5.weights.memory_plan.is_fp8_weight`)
+    are made as ``float8_e4m3fn`` with fp32 scales per 128×128 block under ``<name>_scale_inv`` (``[E, ...]``
+    for stacked experts), the checkpoint's format, with the same effective magnitudes."""
+    from glm5.weights.memory_plan import is_fp8_weight
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
@@ -43,6 +52,13 @@ def dummy_weights(cfg: ModelConfig, device: str | torch.device = "cpu", dtype: t
         return torch.rand(shape, generator=gen, device=dev, dtype=torch.float32)
 
     for name, shape in expected_weight_shapes(cfg, include_mtp=include_mtp).items():
+        if sharding is not None:
+            if not sharding.held(name):
+                continue
+            fan_in = _fan_in(name, shape)  # the full layer's fan-in keeps activations at unit variance
+            shape = sharding.local_shape(name, shape)
+        else:
+            fan_in = _fan_in(name, shape)
         dt = torch.float32 if is_fp32_weight(name) else dtype
         if name.endswith(("hc_attn_scale", "hc_ffn_scale")):  # mHC gates on the dynamic part: HF inits 1
             t = torch.ones(shape, device=dev, dtype=dt)
@@ -61,7 +77,13 @@ def dummy_weights(cfg: ModelConfig, device: str | torch.device = "cpu", dtype: t
             t = randn(shape, dt).mul_(0.02).add_(1.0)
         elif len(shape) == 1:  # biases
             t = randn(shape, dt).mul_(0.02)
+        elif fp8 and is_fp8_weight(name, cfg):
+            *lead, rows, cols = shape
+            out[name] = randn(shape, torch.bfloat16).mul_(64.0).clamp_(-448, 448).to(torch.float8_e4m3fn)
+            out[f"{name}_scale_inv"] = torch.full((*lead, -(-rows // 128), -(-cols // 128)),
+                                                  1.0 / (64.0 * math.sqrt(fan_in)), device=dev, dtype=torch.float32)
+            continue
         else:
-            t = randn(shape, dt).mul_(1.0 / math.sqrt(_fan_in(name, shape)))
+            t = randn(shape, dt).mul_(1.0 / math.sqrt(fan_in))
         out[name] = t
     return out

@@ -37,7 +37,8 @@ from glm5_kernels.fp8_ref import BLOCK as KERNEL_FP8_BLOCK
 from glm5_kernels.fp8_ref import FP8_DTYPE, dequantize_fp8_block, quantize_fp8_block
 
 from glm5.config import ModelConfig
-from glm5.weights.files import FP8_CODES, TensorInfo, find_weight_files, read_header
+from glm5.distributed.sharding import ShardIndex, WeightSharding
+from glm5.weights.files import FP8_CODES, ST_DTYPES, TensorInfo, find_weight_files, read_header
 from glm5.weights.names import (
     SCALE_SUFFIX,
     KeyTarget,
@@ -85,10 +86,30 @@ def fp8_scale_shape(weight_shape: Shape, block: tuple[int, int] = DEFAULT_FP8_BL
 
 
 def dequantize_fp8_blockwise(w8: torch.Tensor, scale_inv: torch.Tensor,
-                             block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> torch.Tensor:
+                             block: tuple[int, int] = DEFAULT_FP8_BLOCK,
+                             offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """``W = W8.float() * s`` with one scale per ``block`` tile of the last two dims (edge tiles may
-    be partial). Returns fp32 on ``w8``'s device."""
-    return dequantize_fp8_block(w8, scale_inv, block)
+    be partial). Returns fp32 on ``w8``'s device.
+
+    ``offset``: where ``w8`` starts in the full weight (a tensor-parallel shard); ``scale_inv`` then holds the
+    scale rows/columns of the blocks the shard touches (:func:`fp8_scale_index`), and a shard that does not
+    start on the block grid still gets each element's own block scale."""
+    if offset == (0, 0):
+        return dequantize_fp8_block(w8, scale_inv, block)
+    rows, cols = w8.shape[-2], w8.shape[-1]
+    r0, c0 = offset[0] % block[0], offset[1] % block[1]
+    s = scale_inv.to(device=w8.device, dtype=torch.float32)
+    s = s.repeat_interleave(block[0], dim=-2)[..., r0:r0 + rows, :]
+    s = s.repeat_interleave(block[1], dim=-1)[..., c0:c0 + cols]
+    return w8.to(torch.float32) * s
+
+
+def fp8_scale_index(index: tuple[slice, ...], block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> tuple[slice, ...]:
+    """The slice of ``weight_scale_inv`` holding the block scales of the weight slice ``index`` (one full
+    ``slice`` per dim with explicit start/stop on the last two dims)."""
+    *lead, rows, cols = index
+    return (*lead, slice(rows.start // block[0], -(-rows.stop // block[0])),
+            slice(cols.start // block[1], -(-cols.stop // block[1])))
 
 
 def _fp8_block(cfg: ModelConfig) -> tuple[int, int]:
@@ -324,6 +345,7 @@ class _Reader:
         self.dequantized = 0
         self.kept = 0
         self.quantized = 0
+        self.bytes_read = 0
 
     def _h(self, file: Path) -> Any:
         h = self._handles.get(file)
@@ -332,50 +354,80 @@ class _Reader:
             self._handles[file] = h
         return h
 
-    def keepable(self, part: _Part) -> bool:
-        """True if ``part`` is fp8 in the kernels' format (e4m3, 128 x 128 blocks) and its canonical chunk (for
-        packed keys) starts and ends on scale-block boundaries, so it can stay fp8 with its own scales."""
+    def keepable(self, part: _Part, shard: ShardIndex | None = None) -> bool:
+        """True if ``part`` is fp8 in the kernels' format (e4m3, 128 x 128 blocks) and what is read of it — its
+        canonical chunk (packed keys), the rank's ``shard`` — starts and ends on scale-block boundaries, so it can
+        stay fp8 with its own scales."""
         if part.scale is None or part.info.dtype != "F8_E4M3" or self.block != (KERNEL_FP8_BLOCK, KERNEL_FP8_BLOCK):
             return False
-        t = part.target
-        if t.kind == "chunk":
-            return (part.info.shape[t.dim] // t.count) % self.block[t.dim - (len(part.info.shape) - 2)] == 0
+        shape, index = part.info.shape, _source_index(part, shard)
+        for d, blk in ((len(shape) - 2, self.block[0]), (len(shape) - 1, self.block[1])):
+            sl = index[d]
+            if sl.start % blk or (sl.stop % blk and sl.stop != shape[d]):
+                return False
         return True
 
-    def read(self, part: _Part) -> torch.Tensor:
-        """The canonical-side tensor of ``part`` (its chunk, for packed keys), on ``self.device``; fp8 dequantized."""
-        t = part.target
+    def read(self, part: _Part, shard: ShardIndex | None = None) -> torch.Tensor:
+        """The canonical-side tensor of ``part`` (its chunk, for packed keys; the rank's ``shard`` of it, a range
+        of one dim), on ``self.device``; fp8 dequantized. Only that slice is read from the file (``safe_open``
+        slicing), with the scale rows/columns of the blocks it touches."""
         h = self._h(part.info.file)
+        index = _source_index(part, shard)
+        self.bytes_read += _slice_bytes(part.info, index)
+        w = h.get_slice(part.info.key)[index]
         if part.scale is None:
-            if t.kind == "chunk":
-                size = part.info.shape[t.dim] // t.count
-                idx = tuple([slice(None)] * t.dim + [slice(t.index * size, (t.index + 1) * size)])
-                return h.get_slice(part.info.key)[idx].to(self.device)
-            return h.get_tensor(part.info.key).to(self.device)
-        w8 = h.get_tensor(part.info.key).to(self.device)
-        s = self._h(part.scale.file).get_tensor(part.scale.key)
-        w = dequantize_fp8_blockwise(w8, s, self.block)
+            return w.to(self.device)
+        s = self._h(part.scale.file).get_slice(part.scale.key)[fp8_scale_index(index, self.block)]
         self.dequantized += 1
-        if t.kind == "chunk":
-            w = w.chunk(t.count, dim=t.dim)[t.index]
-        return w
+        return dequantize_fp8_blockwise(w.to(self.device), s, self.block, (index[-2].start, index[-1].start))
 
-    def read_fp8(self, part: _Part) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(W8 float8_e4m3fn, scale fp32)`` of a :meth:`keepable` part (its chunk, for packed keys)."""
-        t = part.target
+    def read_fp8(self, part: _Part, shard: ShardIndex | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(W8 float8_e4m3fn, scale fp32)`` of a :meth:`keepable` part (its chunk, for packed keys; the rank's
+        ``shard``): the weight slice and exactly the scale blocks it covers."""
         assert part.scale is not None
-        w8 = self._h(part.info.file).get_tensor(part.info.key).to(self.device)
-        s = self._h(part.scale.file).get_tensor(part.scale.key).to(device=self.device, dtype=torch.float32)
-        if t.kind == "chunk":
-            w8 = w8.chunk(t.count, dim=t.dim)[t.index]
-            s = s.chunk(t.count, dim=t.dim)[t.index]
+        index = _source_index(part, shard)
+        self.bytes_read += _slice_bytes(part.info, index)
+        w8 = self._h(part.info.file).get_slice(part.info.key)[index].to(self.device)
+        s = self._h(part.scale.file).get_slice(part.scale.key)[fp8_scale_index(index, self.block)]
         self.kept += 1
-        return w8.contiguous(), s.contiguous()
+        return w8.contiguous(), s.to(device=self.device, dtype=torch.float32).contiguous()
 
     def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Online fp8: ``w`` (any float dtype) to e4m3 + 128 x 128 block scales, on ``self.device``."""
         self.quantized += 1
         return quantize_fp8_block(w.to(self.device))
+
+
+def _source_index(part: _Part, shard: ShardIndex | None) -> tuple[slice, ...]:
+    """Explicit slices (every dim) of the checkpoint tensor behind ``part`` restricted to ``shard``: a packed
+    key's chunk, then the shard's range (clamped to the real rows: vocab padding is added by the caller)."""
+    t, shape = part.target, part.info.shape
+    sl = [slice(0, n) for n in shape]
+    if t.kind == "chunk":
+        size = shape[t.dim] // t.count
+        sl[t.dim] = slice(t.index * size, (t.index + 1) * size)
+    if shard is not None and shard.dim is not None:
+        d = shard.dim
+        base, full = sl[d].start, sl[d].stop - sl[d].start
+        sl[d] = slice(base + min(shard.start, full), base + min(shard.stop, full))
+    return tuple(sl)
+
+
+def _slice_bytes(info: TensorInfo, index: tuple[slice, ...]) -> int:
+    n = ST_DTYPES[info.dtype][1]
+    for s in index:
+        n *= s.stop - s.start
+    return n
+
+
+def _shard_parts(r: _Recipe, shard: ShardIndex) -> tuple[list[_Part], ShardIndex | None]:
+    """The parts a rank reads for recipe ``r`` and the shard of each part: the rank's experts (expert
+    parallelism), every expert's slice (the shard moved to the per-expert dims), or the one part's shard."""
+    if r.parts[0].target.kind == "expert":
+        if shard.indices is not None:
+            return [r.parts[e] for e in shard.indices], None
+        return list(r.parts), None if shard.dim is None else ShardIndex(shard.dim - 1, shard.start, shard.stop)
+    return [r.parts[0]], shard if shard.dim is not None else None
 
 
 def _check_quantization(quantization: str) -> None:
@@ -384,17 +436,23 @@ def _check_quantization(quantization: str) -> None:
                          "(also quantize the other projections at load) or none (dequantize to the model dtype)")
 
 
-def _load_fp8(reader: _Reader, r: _Recipe, online: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Recipe ``r`` as ``(W8, scale)`` when it stays fp8, else None (it then loads in the model dtype).
+def _load_fp8(reader: _Reader, r: _Recipe, online: bool,
+              shard: ShardIndex | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Recipe ``r`` (this rank's ``shard`` of it) as ``(W8, scale)`` when it stays fp8, else None (it then loads
+    in the model dtype).
 
     A whole tensor stays fp8 when the checkpoint stores it in the kernels' fp8 format; with ``online`` every
     :func:`is_fp8_linear_weight` tensor is fp8 (quantized here when the checkpoint's copy is not). A stacked
     expert tensor is fp8 only as a whole: with some experts fp8 and some not, ``online`` quantizes the rest,
-    otherwise the stack is dequantized (one warning)."""
+    otherwise the stack is dequantized (one warning). A tensor-parallel shard keeps the checkpoint's fp8 only when
+    it falls on the 128 block grid (the real model's do); otherwise it is dequantized, or with ``online``
+    re-quantized on its own grid."""
     kind = r.parts[0].target.kind
     if not can_stay_fp8(r.name):
         return None
-    keep = [reader.keepable(p) for p in r.parts]
+    shard = shard or ShardIndex()
+    parts, inner = _shard_parts(r, shard)
+    keep = [reader.keepable(p, inner) for p in parts]
     if not online and not all(keep):
         if any(keep):
             logger.warning("%s: %d of %d parts are fp8, the rest are not; dequantizing all of it (quantization=fp8 "
@@ -403,12 +461,13 @@ def _load_fp8(reader: _Reader, r: _Recipe, online: bool) -> tuple[torch.Tensor, 
     if online and not is_fp8_linear_weight(r.name) and not all(keep):
         return None
     if kind != "expert":
-        part = r.parts[0]
-        return reader.read_fp8(part) if keep[0] else reader.quantize(reader.read(part))
-    w8 = torch.empty(r.shape, dtype=FP8_DTYPE, device=reader.device)
-    sc = torch.empty(fp8_scale_shape(r.shape), dtype=torch.float32, device=reader.device)
-    for e, (part, k) in enumerate(zip(r.parts, keep)):
-        we, se = reader.read_fp8(part) if k else reader.quantize(reader.read(part))
+        part = parts[0]
+        return reader.read_fp8(part, inner) if keep[0] else reader.quantize(reader.read(part, inner))
+    local = shard.local_shape(r.shape)
+    w8 = torch.empty(local, dtype=FP8_DTYPE, device=reader.device)
+    sc = torch.empty(fp8_scale_shape(local), dtype=torch.float32, device=reader.device)
+    for e, (part, k) in enumerate(zip(parts, keep)):
+        we, se = reader.read_fp8(part, inner) if k else reader.quantize(reader.read(part, inner))
         w8[e].copy_(we)
         sc[e].copy_(se)
     return w8, sc
@@ -416,7 +475,8 @@ def _load_fp8(reader: _Reader, r: _Recipe, online: bool) -> tuple[torch.Tensor, 
 
 def load_weights(path: str | Path, cfg: ModelConfig | None = None, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, progress: bool = True,
-                 allow_missing_mtp: bool = False, quantization: str = "none") -> dict[str, torch.Tensor]:
+                 allow_missing_mtp: bool = False, quantization: str = "none",
+                 sharding: WeightSharding | None = None) -> dict[str, torch.Tensor]:
     """Load every canonical tensor of the checkpoint at ``path`` onto ``device``.
 
     ``cfg`` defaults to the checkpoint's own ``config.json``. Tensors are cast to ``dtype`` except
@@ -427,6 +487,11 @@ def load_weights(path: str | Path, cfg: ModelConfig | None = None, device: str |
     ``allow_missing_mtp=True`` a checkpoint without the config's MTP layers loads (and the MTP names
     are absent from the result); MTP tensors that are present are always returned. Raises
     :class:`CheckpointError` listing every problem if the checkpoint does not match ``cfg``.
+
+    ``sharding`` (tensor / expert parallelism): load only this rank's slice of every tensor
+    (:mod:`glm5.distributed.sharding`) — each slice is read from the file on its own, fp8 scales with it, so a
+    sharded weight is never whole in host memory; under expert parallelism only the rank's experts are opened.
+    The progress bar (rank 0) counts the bytes this rank reads.
     """
     _check_quantization(quantization)
     path = Path(path)
@@ -434,37 +499,63 @@ def load_weights(path: str | Path, cfg: ModelConfig | None = None, device: str |
         cfg = ModelConfig.from_pretrained(path if path.is_dir() else path.parent)
     t0 = time.perf_counter()
     recipes, files = _plan(path, cfg, allow_missing_mtp)
+    if sharding is not None:
+        recipes = [r for r in recipes if sharding.held(r.name)]
     dev = torch.device(device)
     out: dict[str, torch.Tensor] = {}
     total = 0
+    show = progress and (sharding is None or sharding.ranks.is_driver)
     with contextlib.ExitStack() as stack:
         reader = _Reader(stack, dev, _fp8_block(cfg))
-        bar = tqdm(recipes, desc=f"loading {path.name or path}", unit="tensor", disable=not progress,
-                   leave=False)
-        for r in bar:
+        bar = tqdm(total=sum(_recipe_bytes(r, sharding) for r in recipes), desc=f"loading {path.name or path}",
+                   unit="B", unit_scale=True, unit_divisor=1024, disable=not show, leave=False)
+        for r in recipes:
             want = torch.float32 if is_fp32_weight(r.name) else dtype
-            fp8 = None if quantization == "none" else _load_fp8(reader, r, online=quantization == "fp8")
+            shard = sharding.index(r.name, r.shape) if sharding is not None else ShardIndex()
+            before = reader.bytes_read
+            fp8 = None if quantization == "none" else _load_fp8(reader, r, quantization == "fp8", shard)
             if fp8 is not None:
                 out[r.name], out[r.name + SCALE_SUFFIX] = fp8
                 total += fp8[0].numel() + fp8[1].numel() * 4
-                continue
-            if r.parts[0].target.kind == "expert":
-                t = torch.empty(r.shape, dtype=want, device=dev)
-                for e, part in enumerate(r.parts):
-                    t[e].copy_(reader.read(part))
             else:
-                t = reader.read(r.parts[0]).to(dtype=want)
-                if r.parts[0].target.kind == "chunk":
-                    t = t.contiguous()
-            out[r.name] = t
-            total += t.numel() * t.element_size()
+                out[r.name] = t = _load_recipe(reader, r, shard, want, dev)
+                total += t.numel() * t.element_size()
+            bar.update(reader.bytes_read - before)
         bar.close()
     fp8_note = ", ".join(f"{what} {n} fp8 tensors" for what, n in (
         ("kept", reader.kept), ("quantized", reader.quantized), ("dequantized", reader.dequantized)) if n)
-    logger.info("loaded %d tensors (%.2f GiB, %s, quantization=%s) from %d file(s) in %s in %.1fs%s", len(out),
+    logger.info("loaded %d tensors (%.2f GiB, %s, quantization=%s) from %d file(s) in %s in %.1fs%s%s", len(out),
                 total / 2**30, dtype, quantization, len(files), path, time.perf_counter() - t0,
-                f"; {fp8_note}" if fp8_note else "")
+                f"; {fp8_note}" if fp8_note else "",
+                f"; rank {sharding.ranks.rank}/{sharding.ranks.world_size} shard" if sharding is not None else "")
     return out
+
+
+def _load_recipe(reader: _Reader, r: _Recipe, shard: ShardIndex, want: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """One canonical tensor (this rank's ``shard`` of it) in dtype ``want``; vocab padding rows are zeros."""
+    local = shard.local_shape(r.shape)
+    parts, inner = _shard_parts(r, shard)
+    if r.parts[0].target.kind == "expert":
+        t = torch.empty(local, dtype=want, device=dev)
+        for j, part in enumerate(parts):     # the rank's experts in its physical order, or each expert's slice
+            t[j].copy_(reader.read(part, inner))
+        return t
+    t = reader.read(parts[0], inner).to(dtype=want)
+    if tuple(t.shape) != local:              # a vocab-parallel shard past the last row: zero padding
+        pad = torch.zeros(local, dtype=want, device=dev)
+        pad.narrow(shard.dim, 0, t.shape[shard.dim]).copy_(t)
+        t = pad
+    return t.contiguous() if r.parts[0].target.kind == "chunk" or shard.dim is not None else t
+
+
+def _recipe_bytes(r: _Recipe, sharding: WeightSharding | None) -> int:
+    """Bytes the load of ``r`` reads (this rank's slice of every part; fp8 scales not counted)."""
+    if sharding is None:
+        return sum(p.info.nbytes for p in r.parts)
+    shard = sharding.index(r.name, r.shape)
+    if shard.indices is not None:
+        return sum(r.parts[e].info.nbytes for e in shard.indices)
+    return math.prod(shard.local_shape(r.shape)) * ST_DTYPES[r.parts[0].info.dtype][1]
 
 
 def check_checkpoint(path: str | Path, cfg: ModelConfig | None = None, allow_missing_mtp: bool = False) -> int:
