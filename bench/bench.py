@@ -468,6 +468,11 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="output directory (created)")
     ap.add_argument("--quick", action="store_true", help="batches 1, 8 and contexts 1K, 8K only")
+    ap.add_argument("--batches", type=int, nargs="+", help="decode batches (default 1 8 64 256; --quick: 1 8)")
+    ap.add_argument("--contexts", type=int, nargs="+",
+                    help="decode contexts in tokens (default 1024 8192 32768; --quick: 1024 8192)")
+    ap.add_argument("--prefill-tokens", type=int, nargs="+",
+                    help="prefill lengths (default 1024 8192 32768; --quick: 1024 8192)")
     ap.add_argument("--skip-hf", action="store_true", help="do not run transformers' model")
     ap.add_argument("--profile-prefill", action="store_true", help="also profile one 8K prefill (kernel table)")
     ap.add_argument("--hf-batches", type=int, nargs="+", default=[1, 8, 64],
@@ -517,8 +522,9 @@ def main() -> int:
         (ROOT / "tests" / "fixtures" / "glm5_3_flash_config.json").read_text())))
     res["ceilings"] = ceilings()
     log(res)
-    batches = [1, 8] if args.quick else [1, 8, 64, 256]
-    ctxs = [1024, 8192] if args.quick else [1024, 8192, 32768]
+    batches = args.batches or ([1, 8] if args.quick else [1, 8, 64, 256])
+    ctxs = args.contexts or ([1024, 8192] if args.quick else [1024, 8192, 32768])
+    prefill_lens = args.prefill_tokens or ([1024, 8192] if args.quick else [1024, 8192, 32768])
     if args.hf_only:
         s = Setup(1, 1024)
         res["decode"] = run_decode(s, [1], [1024], reps=5, log=log)
@@ -542,7 +548,7 @@ def main() -> int:
         s = Setup(max(batches), max(ctxs), wdt)
         res["weights_bytes"][wdt] = {"nonrouted": s.nonrouted_bytes, "per_expert": s.expert_bytes}
         log({"weight_dtype": wdt, **res["weights_bytes"][wdt]})
-        res["prefill"] += run_prefill(s, [1024, 8192] if args.quick else [1024, 8192, 32768], 4096, log)
+        res["prefill"] += run_prefill(s, prefill_lens, 4096, log)
         if args.profile_prefill:
             try:
                 prof = profile_prefill(s, 8192, 4096, args.out)
