@@ -123,8 +123,11 @@ def test_kda_verify_kernels_match_reference_on_gpu(dtype):
     nv = torch.randint(0, t + 1, (n,), device="cuda")
     ref = kda_verify_recurrence_ref(q, k, v, f, b, pool, slots, a_log, dt, -5.0, d ** -0.5)
     got = kda_verify_recurrence(q, k, v, f, b, pool, slots, a_log, dt, -5.0, d ** -0.5)
-    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+    # fp32: the same fp32 recurrence in another summation order; bf16: the kernel keeps fp32 intermediates where
+    # the reference rounds to the inputs' dtype (measured on the H200: 1.6e-3), inside bf16's 1e-3..1e-2 range
+    bound = 1e-5 if dtype == torch.float32 else 5e-3
+    assert ((got - ref).norm() / ref.norm()).item() < bound
     p1, p2 = pool.clone(), pool.clone()
     kda_commit_recurrence_ref(q, k, v, f, b, p1, slots, nv, a_log, dt, -5.0, d ** -0.5)
     kda_commit_recurrence(q, k, v, f, b, p2, slots, nv, a_log, dt, -5.0, d ** -0.5)
-    assert ((p1 - p2).norm() / p1.norm()).item() < 1e-5
+    assert ((p1 - p2).norm() / p1.norm()).item() < bound

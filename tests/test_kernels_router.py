@@ -98,7 +98,9 @@ def test_router_kernel_real_shape_gpu(t):
     # the epilogue, exactly: the reference selection on the kernel's own logits
     ref_w, ref_i = select_experts_ref(logits, bias, 8, 1, 1, True, 2.5)
     assert torch.equal(got_i, ref_i)
-    torch.testing.assert_close(got_w, ref_w, rtol=2e-7, atol=0)
+    # the weights: sigmoid, renormalisation and scaling in fp32 in another operation order (measured on the
+    # H200: at most 2.9e-7 relative, about 2 fp32 ulps)
+    torch.testing.assert_close(got_w, ref_w, rtol=1e-6, atol=0)
     # the GEMM: fp32 accumulation of the same bf16 products
     fp32 = x.float() @ w.float().t()
     assert ((logits - fp32).abs().max() / fp32.abs().max()).item() < 1e-5
