@@ -97,7 +97,8 @@ def _base_name(name: str) -> str:
 class Setup:
     """``par``: a :class:`glm5.distributed.ParallelContext` (``--distributed``: the model's collectives run)."""
 
-    def __init__(self, max_batch: int, max_ctx: int, weight_dtype: str = "bfloat16", par=None):
+    def __init__(self, max_batch: int, max_ctx: int, weight_dtype: str = "bfloat16", par=None,
+                 max_prefill: int = 0):
         from glm5.cache.hybrid_cache import CacheConfig, HybridCache
         from glm5.config import ModelConfig
         from glm5.layers.glm5 import Glm5ForCausalLM
@@ -114,7 +115,9 @@ class Setup:
         self.model = Glm5ForCausalLM(self.cfg, self.weights, par)
         self.bs = 64
         self.blocks_per_req = (max_ctx + 2 * self.bs) // self.bs
-        nb = max_batch * self.blocks_per_req
+        # a prefill runs in slot 0 over blocks 0.. of its own length, which may exceed the decode context
+        self.prefill_blocks = (max(max_prefill, max_ctx) + 2 * self.bs) // self.bs
+        nb = max(max_batch * self.blocks_per_req, self.prefill_blocks)
         self.cache = HybridCache(t, CacheConfig(block_size=self.bs, num_blocks=nb, num_state_slots=max_batch),
                                  "cuda", torch.bfloat16)
         for d in (self.cache.latent, self.cache.pool_keys):
@@ -306,7 +309,10 @@ def kernel_profile(s: "Setup", fn, path: Path, rows: int = 30) -> dict:
 def prefill_once(s: Setup, n: int, chunk: int, slot: int = 0) -> None:
     """One ``n``-token prompt (random ids) prefilled from an empty state slot in ``chunk``-token chunks."""
     from glm5.layers.batch import ForwardBatch, SeqChunk
-    bt = torch.arange(0, s.blocks_per_req, device="cuda")
+    if n + 2 * s.bs > s.prefill_blocks * s.bs:
+        raise ValueError(f"a {n}-token prefill needs more than the {s.prefill_blocks} blocks this Setup made; "
+                         f"build it with max_prefill >= {n}")
+    bt = torch.arange(0, s.prefill_blocks, device="cuda")
     s.cache.reset_slot(slot)
     for lo in range(0, n, chunk):
         m = min(chunk, n - lo)
@@ -545,7 +551,7 @@ def main() -> int:
         raise SystemExit(f"--weight-dtypes: unknown {bad}; use bfloat16 and/or float8_e4m3fn")
     res.update(prefill=[], decode=[], profiles=[], weights_bytes={})
     for wdt in dtypes:
-        s = Setup(max(batches), max(ctxs), wdt)
+        s = Setup(max(batches), max(ctxs), wdt, max_prefill=max(prefill_lens))
         res["weights_bytes"][wdt] = {"nonrouted": s.nonrouted_bytes, "per_expert": s.expert_bytes}
         log({"weight_dtype": wdt, **res["weights_bytes"][wdt]})
         res["prefill"] += run_prefill(s, prefill_lens, 4096, log)
