@@ -75,6 +75,17 @@ def test_adaptive_k_probes_while_off_and_follows_acceptance(real_cfg, tmp_path):
     assert expected_tokens([1.0, 1.0, 1.0], 3) == 4.0 and expected_tokens([0.5, 0.5], 2) == 1.75
 
 
+def test_adaptive_k_does_not_probe_where_no_acceptance_could_pay(real_cfg, tmp_path):
+    """A round dearer than (k + 1) plain steps for every k (host-bound small models on a GPU: the H200 run of
+    test_gpu_spec measured k = 1 at 2.4x a plain step at batch 8) loses even with every draft accepted, so
+    the policy stays at k = 0 without probing; where perfect acceptance would win, it still probes."""
+    cost = SpecCostModel.load(_table(tmp_path, 0.01, {1: 1.6, 8: 1.2, 64: 0.05}), real_cfg)
+    policy = AdaptiveK(3, cost, probe_every=4, tracker=AcceptanceTracker(3, prior=0.2))
+    assert not policy.can_pay(1) and not policy.can_pay(8) and policy.can_pay(64)
+    assert [policy.choose(8) for _ in range(64)] == [0] * 64
+    assert 1 in [policy.choose(64) for _ in range(8)] or policy.best(64) > 0
+
+
 def test_cost_table_errors_name_the_fix(tmp_path, real_cfg):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"rounds": [{"batch": 1, "k": "x"}]}))

@@ -229,24 +229,29 @@ class BatchedSpeculation:
         Catches the MTP layer up on each one's accepted rows (and backlog) and sets ``draft_tokens`` /
         ``draft_probs``; when nobody drafts, the rows go to the backlogs instead."""
         t = res.rows_per_seq
+        rows = [(seq, res.first_positions[i], res.hidden[i * t: i * t + res.accepted[i] + 1], want)
+                for i, seq, want in live]
+        if not any(w for *_, w in rows):
+            # nobody drafts: the rows join the backlogs as they are (a list, no copy per step); a backlog that
+            # reached MAX_BACKLOG rows is caught up without drafting
+            drain = []
+            for seq, first, rows_h, _ in rows:
+                if seq.mtp_backlog is None:
+                    seq.mtp_backlog = MTPBacklog(first, [rows_h])
+                else:
+                    seq.mtp_backlog.rows.append(rows_h)
+                if len(seq.mtp_backlog) >= MAX_BACKLOG:
+                    drain.append((seq, seq.mtp_backlog.first_position, seq.mtp_backlog.take(), 0))
+                    seq.mtp_backlog = None
+            if drain:
+                self._catch_up(drain, drafting=False)
+            return
         entries = []   # (seq, first position, hidden rows, drafts wanted)
-        for i, seq, want in live:
-            rows_h = res.hidden[i * t: i * t + res.accepted[i] + 1]
-            first = res.first_positions[i]
+        for seq, first, rows_h, want in rows:
             if seq.mtp_backlog is not None:
                 first, rows_h = seq.mtp_backlog.first_position, seq.mtp_backlog.take(rows_h)
                 seq.mtp_backlog = None
             entries.append((seq, first, rows_h, want))
-        if not any(w for *_, w in entries):
-            drain = []
-            for seq, first, rows_h, _ in entries:
-                if rows_h.shape[0] >= MAX_BACKLOG:
-                    drain.append((seq, first, rows_h, 0))
-                else:
-                    seq.mtp_backlog = MTPBacklog(first, [rows_h])
-            if drain:
-                self._catch_up(drain, drafting=False)
-            return
         logits, hid, scores = self._catch_up(entries, drafting=True)
         self._draft(entries, logits, hid, scores, ensure_blocks)
 

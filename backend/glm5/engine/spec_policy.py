@@ -233,9 +233,15 @@ class AdaptiveK:
     def best(self, batch: int) -> int:
         return max(range(self.k_max + 1), key=lambda k: (self.throughput(batch, k), -k))
 
+    def can_pay(self, batch: int) -> bool:
+        """Whether any ``k > 0`` would beat ``k = 0`` at this batch size even if every draft were accepted
+        (``k + 1`` tokens per round); when none would, probing the acceptance only costs time."""
+        plain = self.cost.round_s(batch, 0)
+        return any((k + 1) / self.cost.round_s(batch, k) > 1.0 / plain for k in range(1, self.k_max + 1))
+
     def choose(self, batch: int) -> int:
         """The next step's k; while speculation is off, every ``probe_every``-th step drafts one token so the
-        acceptance estimate keeps following the traffic."""
+        acceptance estimate keeps following the traffic - unless no acceptance could make it pay here."""
         if batch <= 0:
             return 0
         k = self.best(batch)
@@ -243,7 +249,7 @@ class AdaptiveK:
             self._steps_at_zero = 0
             return k
         self._steps_at_zero += 1
-        if self.probe_every and self._steps_at_zero % self.probe_every == 0:
+        if self.probe_every and self._steps_at_zero % self.probe_every == 0 and self.can_pay(batch):
             return 1
         return 0
 
