@@ -38,14 +38,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 
 def graph_us(fn: Callable[[], object], reps: int = 100) -> float:
-    """µs per call of ``fn`` replayed from a CUDA graph (launch overhead excluded, as in a decode step)."""
-    import triton.testing
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return triton.testing.do_bench(g.replay, rep=reps, return_mode="median") * 1000.0
+    """µs per call of ``fn`` replayed from a CUDA graph (``kernel_bench.graph_us``)."""
+    from kernel_bench import graph_us as replayed
+    return replayed(fn, reps)
 
 
 def eager_us(fn: Callable[[], object], reps: int = 50) -> float:

@@ -7,26 +7,16 @@ the selection tests pin its semantics (stable tie order, dense causal rows, host
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from interpreter import run_interpreted
 
 
 def _interpret(body: str, timeout: int = 300) -> str:
-    """Run ``body`` in a fresh interpreter with ``TRITON_INTERPRET=1`` (set before triton is imported)."""
-    code = textwrap.dedent(_COMMON) + textwrap.dedent(body) + "\nprint('ok')\n"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT / "kernels"), str(ROOT / "backend"), os.environ.get("PYTHONPATH", "")])}
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
-    assert res.returncode == 0 and res.stdout.rstrip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
-    return res.stdout
+    return run_interpreted(textwrap.dedent(_COMMON) + textwrap.dedent(body), timeout)
 
 
 # shared by the interpreter scripts: bit views and a random layout of several requests' blocks

@@ -11,24 +11,15 @@ the fp32 GEMM's up to summation order, the expert choice agrees with the fp32 ro
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from interpreter import run_interpreted
 
 
-def _interpret(body: str, timeout: int = 300) -> None:
-    code = textwrap.dedent(body) + "\nprint('ok')\n"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT / "kernels"), str(ROOT / "backend"), os.environ.get("PYTHONPATH", "")])}
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
-    assert res.returncode == 0 and res.stdout.rstrip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
+def _interpret(body: str, timeout: int = 300) -> str:
+    return run_interpreted(body, timeout)
 
 
 def test_router_kernel_matches_reference_exactly_interpreter():
