@@ -162,6 +162,18 @@ def test_locked_down_defaults_in_the_command_line(tmp_path: Path):
     assert srv.admin_key.value not in srv._redacted(argv)
 
 
+def test_malloc_settings_in_the_server_environment(tmp_path: Path, monkeypatch):
+    """glibc malloc keeps two arenas and a fixed 1 MiB mmap threshold in tritonserver and its stubs (the soak's
+    RSS drift), unless the user set them."""
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    _, env = TritonServerProcess(model_dir="/ckpt", work_dir=tmp_path / "a", models=("glm5",)).command()
+    assert env["MALLOC_ARENA_MAX"] == "2" and env["MALLOC_MMAP_THRESHOLD_"] == str(1 << 20)
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
+    _, env = TritonServerProcess(model_dir="/ckpt", work_dir=tmp_path / "b", models=("glm5",)).command()
+    assert env["MALLOC_ARENA_MAX"] == "8"
+
+
 def test_explicit_model_control_only_when_asked_and_only_behind_the_key(tmp_path: Path):
     srv = TritonServerProcess(model_dir="/ckpt", work_dir=tmp_path / "a", models=("glm5",), model_control="explicit")
     argv, _ = srv.command()

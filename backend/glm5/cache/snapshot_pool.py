@@ -49,8 +49,10 @@ class StateSnapshotPool:
         s, dev = num_snapshots, cache.device
 
         def like(t: torch.Tensor, *shape: int) -> torch.Tensor:
-            # empty, not zeros: a slot is always written before it is read, and untouched host pages cost nothing
-            return torch.empty((s, *shape), dtype=t.dtype, device=dev)
+            # zeros, not empty: on a CPU the pages of an empty tensor become resident only when a snapshot
+            # first lands on them, so the process grew by the whole pool over a long run (the 10-minute soak:
+            # ~100 MB of its RSS drift); committed here, the pool costs what the memory plan says from the start
+            return torch.zeros((s, *shape), dtype=t.dtype, device=dev)
 
         bs, ppb = cache.block_size, cache.pools_per_block
         self.conv = {i: like(t, *t.shape[1:]) for i, t in cache.conv.items()}

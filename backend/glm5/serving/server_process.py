@@ -257,6 +257,11 @@ class TritonServerProcess:
         # is the stub, so name the interpreter that has this project installed
         env.setdefault("GLM5_WORKER_PYTHON", sys.executable)
         env.setdefault("PYTHONIOENCODING", "utf-8")      # the stubs' log lines keep their non-ASCII characters
+        # glibc malloc: two arenas instead of eight per core, and a fixed mmap threshold so that buffers of a
+        # MiB and more (large prompts, media, tensors crossing the stub's shared memory) go back to the system
+        # when freed instead of fragmenting the heap (the CPU soak's RSS drift: +24 % with glibc's defaults)
+        env.setdefault("MALLOC_ARENA_MAX", "2")
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
         if inst.source == "nvidia-pytriton":
             system_python = system_python_for_stub()
             if system_python is None:
