@@ -215,11 +215,8 @@ def run_acceptance(ckpt: Path, device: str, log, n_tokens: int = 32) -> list[dic
 
 # ---------------------------------------------------------------------------------------------- speed-up
 def _tokens(rates: list[float], k: int) -> float:
-    total, run = 1.0, 1.0
-    for a in rates[:k]:
-        run *= a
-        total += run
-    return total
+    from glm5.engine.spec_policy import expected_tokens
+    return expected_tokens(rates, k)
 
 
 def speedups(rounds: list[dict], acceptance: list[dict]) -> list[dict]:

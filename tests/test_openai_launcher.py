@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import openai
 
 from glm5.serving.launcher import find_free_port
+from serve_process import read_endpoints
 
 
 def test_glm5_serve_with_openai_port_serves_v1_and_stops(tiny_checkpoint_dir: Path, tmp_path: Path):
@@ -22,15 +21,7 @@ def test_glm5_serve_with_openai_port_serves_v1_and_stops(tiny_checkpoint_dir: Pa
            "--max-model-len", "256"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        info = None
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and info is None:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            if line.startswith("{"):
-                info = json.loads(line)
-        assert info is not None, f"glm5 serve exited ({proc.poll()}) without printing its endpoints"
+        info = read_endpoints(proc)
         assert info["openai"] == f"http://127.0.0.1:{ports[3]}/v1"
         client = openai.OpenAI(base_url=info["openai"], api_key="unused", max_retries=0)
         assert client.models.list().data[0].max_model_len == 256       # read from the Triton model's config

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from glm5.serving.launcher import find_free_port
+from serve_process import read_endpoints
 from glm5_client import Glm5Client
 
 
@@ -28,15 +29,7 @@ def test_glm5_serve_starts_serves_and_stops_on_sigterm(tiny_checkpoint_dir: Path
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     # (tritonserver's own output shares stdout; the endpoints line is the one JSON line)
     try:
-        info = None
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and info is None:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            if line.startswith("{"):
-                info = json.loads(line)
-        assert info is not None, f"glm5 serve exited ({proc.poll()}) without printing its endpoints"
+        info = read_endpoints(proc)
         assert info["grpc"] == f"127.0.0.1:{ports[1]}" and info["http"] == f"http://127.0.0.1:{ports[0]}"
         assert info["metrics"] == f"http://127.0.0.1:{ports[2]}/metrics"
         # The runtime repository has the checkpoint path filled in.
