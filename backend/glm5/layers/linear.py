@@ -53,15 +53,10 @@ class LinearMethod(Protocol):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor: ...
 
 
-@dataclass(eq=False)
-class UnquantizedMethod:
-    """The weight ``[out, in]`` in the model dtype."""
+class _StoredWeight:
+    """``out_features`` / ``in_features`` of a method that holds one 2-D ``weight [out, in]``."""
 
     weight: torch.Tensor
-
-    def __post_init__(self) -> None:
-        if self.weight.dim() != 2:
-            raise ValueError(f"a linear weight is 2-D [out, in]; got shape {tuple(self.weight.shape)}")
 
     @property
     def out_features(self) -> int:
@@ -70,6 +65,17 @@ class UnquantizedMethod:
     @property
     def in_features(self) -> int:
         return int(self.weight.shape[1])
+
+
+@dataclass(eq=False)
+class UnquantizedMethod(_StoredWeight):
+    """The weight ``[out, in]`` in the model dtype."""
+
+    weight: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.weight.dim() != 2:
+            raise ValueError(f"a linear weight is 2-D [out, in]; got shape {tuple(self.weight.shape)}")
 
     @property
     def nbytes(self) -> int:
@@ -83,7 +89,7 @@ class UnquantizedMethod:
 
 
 @dataclass(eq=False)
-class Fp8BlockMethod:
+class Fp8BlockMethod(_StoredWeight):
     """``weight`` float8_e4m3fn ``[out, in]`` and ``scale_inv`` fp32 ``[ceil(out/128), ceil(in/128)]``
     (``W ≈ weight · scale_inv`` per 128 x 128 tile). Output dtype = the activation's dtype."""
 
@@ -98,14 +104,6 @@ class Fp8BlockMethod:
         if tuple(self.scale_inv.shape) != want or self.scale_inv.dtype != torch.float32:
             raise ValueError(f"fp8 block scales {self.scale_inv.dtype} {tuple(self.scale_inv.shape)} do not fit the "
                              f"weight {tuple(self.weight.shape)}: need float32 {want} (one per {BLOCK}x{BLOCK} tile)")
-
-    @property
-    def out_features(self) -> int:
-        return int(self.weight.shape[0])
-
-    @property
-    def in_features(self) -> int:
-        return int(self.weight.shape[1])
 
     @property
     def nbytes(self) -> int:
