@@ -214,14 +214,10 @@ def run_acceptance(ckpt: Path, device: str, log, n_tokens: int = 32) -> list[dic
 
 
 # ---------------------------------------------------------------------------------------------- speed-up
-def _tokens(rates: list[float], k: int) -> float:
-    from glm5.engine.spec_policy import expected_tokens
-    return expected_tokens(rates, k)
-
-
 def speedups(rounds: list[dict], acceptance: list[dict]) -> list[dict]:
     """Per batch and acceptance level: the best k and its tokens/s over plain decoding. The round cost at an
     expected ``E − 1`` accepted drafts is interpolated between the none- and all-accepted measurements."""
+    from glm5.engine.spec_policy import expected_tokens
     measured = next((a["conditional_acceptance"] for a in acceptance
                      if a["k"] == K_MAX and a["draft_vocab"] == a["vocab"]), None)
     levels = [(f"{a:.1f}", [a] * K_MAX) for a in ACCEPTANCE_LEVELS]
@@ -237,7 +233,7 @@ def speedups(rounds: list[dict], acceptance: list[dict]) -> list[dict]:
             for k in range(1, K_MAX + 1):
                 if k not in rs:
                     continue
-                e = _tokens(rates, k)
+                e = expected_tokens(rates, k)
                 lo, hi = rs[k]["step_s_none_accepted"], rs[k]["step_s"]
                 t = lo + (hi - lo) * (e - 1) / k
                 per_k[k] = e / t * plain
