@@ -37,6 +37,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -92,6 +93,20 @@ def ceilings() -> dict:
 def _base_name(name: str) -> str:
     """The weight a tensor belongs to (an fp8 scale ``x_scale_inv`` belongs to ``x``)."""
     return name[: -len("_scale_inv")] if name.endswith("_scale_inv") else name
+
+
+def jsonl_logger(path: Path, echo_chars: int = 300) -> Callable[[object], None]:
+    """A ``log(x)`` that appends ``x`` as one JSON line to ``path`` (flushed: a run cut short keeps what it
+    measured) and echoes its first ``echo_chars`` characters to stdout (the bench tools' logs)."""
+    f = path.open("w")
+
+    def log(x: object) -> None:
+        line = json.dumps(x, default=str)
+        print(line[:echo_chars], flush=True)
+        f.write(line + "\n")
+        f.flush()
+
+    return log
 
 
 class Setup:
@@ -505,13 +520,7 @@ def main() -> int:
         args.hf_worker.write_text(json.dumps(res, indent=1, default=str))
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    logf = open(args.out / "bench.log", "w")
-
-    def log(x):
-        line = json.dumps(x, default=str)
-        print(line[:400], flush=True)
-        logf.write(line + "\n")
-        logf.flush()
+    log = jsonl_logger(args.out / "bench.log", echo_chars=400)
 
     from glm5.layers import backends
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -235,13 +235,8 @@ def main() -> int:
         raise SystemExit("fp8_check needs a CUDA GPU")
     t0 = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
-    logf = (args.out / "fp8_check.log").open("w")
-
-    def log(x: dict) -> None:
-        line = json.dumps(x, default=str)
-        print(line[:300], flush=True)
-        logf.write(line + "\n")
-        logf.flush()
+    from bench import jsonl_logger
+    log = jsonl_logger(args.out / "fp8_check.log")
 
     res: dict[str, Any] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -286,13 +286,8 @@ def main() -> int:
     import os
     logging.basicConfig(level=logging.WARNING)
     args.out.mkdir(parents=True, exist_ok=True)
-    logf = open(args.out / "spec_bench.log", "w")
-
-    def log(x):
-        line = json.dumps(x, default=str)
-        print(line[:300], flush=True)
-        logf.write(line + "\n")
-        logf.flush()
+    from bench import jsonl_logger
+    log = jsonl_logger(args.out / "spec_bench.log")
 
     cuda = torch.cuda.is_available()
     res: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
