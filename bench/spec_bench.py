@@ -47,19 +47,6 @@ K_MAX = 3
 GEN_TOKENS = 640   # room for every timed step of one batch size (up to k+1 tokens per step)
 
 
-class _SetK:
-    """Engine policy that drafts a chosen k every step."""
-
-    def __init__(self, k: int):
-        self.k = k
-
-    def choose(self, batch: int) -> int:
-        return self.k
-
-    def observe_step(self, results) -> None:
-        pass
-
-
 def median(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[len(xs) // 2]
@@ -124,7 +111,7 @@ def run_rounds(cfg_dict: dict, weights: dict, batch: int, ctx: int, steps: int, 
     CPU tests' dry run of this function)."""
     from glm5.config import ModelConfig
     from glm5.engine.spec_batched import BatchedSpeculation
-    from glm5.engine.spec_policy import WeightBytes, round_bytes
+    from glm5.engine.spec_policy import FixedK, WeightBytes, round_bytes
     from glm5.sampling_params import SamplingParams
 
     eng = _engine(cfg_dict, batch, ctx, weights, device)
@@ -140,7 +127,7 @@ def run_rounds(cfg_dict: dict, weights: dict, batch: int, ctx: int, steps: int, 
     for k in range(K_MAX + 1):
         row = {"batch": batch, "ctx": ctx, "k": k}
         for mode in ("none", "all") if k else ("plain",):
-            eng.k_policy = _SetK(k)
+            eng.k_policy = FixedK(k)
             orig = None
             if mode == "all":
                 orig, patched = _accept_all(BatchedSpeculation)

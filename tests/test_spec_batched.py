@@ -227,7 +227,7 @@ def test_graph_shaped_replay_equals_eager_on_cpu(pair, monkeypatch):
         eng = engine(ckpt, decode_path="batched", num_speculative_tokens=3, max_num_seqs=4)
         if graphs:
             eng.spec.capture_cuda_graphs(4)
-            assert {k[0] for k in eng.spec.fwd.graphs} == {"verify", "commit", "catchup", "draft"}
+            assert {k[0] for k in eng.spec.fwd.graphs} == {"verify", "commit", "catchup", "draft", "drain"}
         replays.clear()
         results[graphs] = ([o.token_ids for o in eng.generate(prompts, greedy(12))], eng.spec_stats.to_dict())
         assert bool(replays) == graphs

@@ -64,26 +64,49 @@ def test_adaptive_k_picks_zero_where_speculation_loses(tmp_path, real_cfg):
     assert cost.round_s(8, 1) < between < cost.round_s(64, 1)
 
 
-def test_adaptive_k_probes_while_off_and_follows_acceptance(real_cfg, tmp_path):
+def _drive(policy: AdaptiveK, steps: int, batch: int, plain_s: float, probe_step_s: float) -> list[int]:
+    """The engine's calls per step: choose the next k, then the step's wall time (a probe's two steps, its
+    catch-up + drafts and its verification, take ``probe_step_s`` each)."""
+    picks, prev = [], 0
+    for _ in range(steps):
+        k = policy.choose(batch)
+        busy = bool(k or prev)
+        policy.observe_time(probe_step_s if busy else plain_s, batch, plain=not busy)
+        picks.append(k)
+        prev = k
+    return picks
+
+
+def test_adaptive_k_probes_within_its_exploration_budget_and_follows_acceptance(real_cfg, tmp_path):
+    """While k = 0 pays best, the probes (one draft) cost at most ``explore_fraction`` of the step time: the
+    first waits until 2 % of the elapsed time covers the model's estimate (2 x a k = 1 round), later ones
+    are spaced by the measured cost; once drafts pass, speculation comes back."""
     cost = SpecCostModel.load(_table(tmp_path, 0.01, {1: 0.8, 8: 0.4, 64: 0.05}), real_cfg)
     policy = AdaptiveK(3, cost, probe_every=4, tracker=AcceptanceTracker(3, prior=0.2))
-    picks = [policy.choose(1) for _ in range(8)]
-    assert picks == [0, 0, 0, 1, 0, 0, 0, 1]
+    picks = _drive(policy, 3000, 1, plain_s=0.01, probe_step_s=0.03)
+    probes = [i for i, k in enumerate(picks) if k]
+    assert set(picks) == {0, 1} and policy.probes == len(probes) >= 5
+    # first probe: 2 % of the elapsed 0.01 s steps covers 2 x 0.018 s (the k = 1 round) after 180 steps
+    assert 179 <= probes[0] <= 181
+    # each probe then costs 2 x (0.03 - 0.01) s beyond plain steps: 2 % of the time covers one per 100+ steps
+    assert all(b - a >= 100 for a, b in zip(probes, probes[1:]))
+    assert policy.probe_spent_s == pytest.approx(0.04 * len(probes))
+    assert policy.probe_spent_s <= 0.02 * policy.elapsed_s
     for _ in range(200):  # drafts start passing: the estimate follows and speculation comes back
         policy.observe_step([(3, 3)] * 4)
     assert policy.tracker.rates()[0] > 0.95 and policy.choose(1) == 3
     assert expected_tokens([1.0, 1.0, 1.0], 3) == 4.0 and expected_tokens([0.5, 0.5], 2) == 1.75
 
 
-def test_adaptive_k_does_not_probe_where_no_acceptance_could_pay(real_cfg, tmp_path):
-    """A round dearer than (k + 1) plain steps for every k (host-bound small models on a GPU: the H200 run of
-    test_gpu_spec measured k = 1 at 2.4x a plain step at batch 8) loses even with every draft accepted, so
-    the policy stays at k = 0 without probing; where perfect acceptance would win, it still probes."""
-    cost = SpecCostModel.load(_table(tmp_path, 0.01, {1: 1.6, 8: 1.2, 64: 0.05}), real_cfg)
+def test_adaptive_k_calibrates_the_plain_step_from_measured_times(real_cfg, tmp_path):
+    """Steps twice as slow as the table's plain round: the probe's excess is measured against the calibrated
+    plain step (so a probe step of 2.5x the table counts 0.5x, not 1.5x)."""
+    cost = SpecCostModel.load(_table(tmp_path, 0.01, {1: 0.8, 8: 0.4, 64: 0.05}), real_cfg)
     policy = AdaptiveK(3, cost, probe_every=4, tracker=AcceptanceTracker(3, prior=0.2))
-    assert not policy.can_pay(1) and not policy.can_pay(8) and policy.can_pay(64)
-    assert [policy.choose(8) for _ in range(64)] == [0] * 64
-    assert 1 in [policy.choose(64) for _ in range(8)] or policy.best(64) > 0
+    picks = _drive(policy, 600, 1, plain_s=0.02, probe_step_s=0.025)
+    assert policy.probes >= 2 and policy._plain_ratio == pytest.approx(2.0, rel=1e-3)
+    assert policy.probe_spent_s == pytest.approx(2 * 0.005 * policy.probes, rel=1e-3)
+    assert picks.index(1) == pytest.approx(90, abs=2)   # 2 x 0.018 s covered by 2 % of 0.02 s steps
 
 
 def test_cost_table_errors_name_the_fix(tmp_path, real_cfg):
@@ -101,6 +124,7 @@ class _Scripted:
 
     def __init__(self, schedule):
         self.schedule, self.i = schedule, 0
+        self.timed: list[tuple[int, bool]] = []
 
     def choose(self, batch):
         self.i += 1
@@ -109,10 +133,18 @@ class _Scripted:
     def observe_step(self, results):
         pass
 
+    def observe_time(self, seconds, batch, plain):
+        self.timed.append((batch, plain))
 
-def test_steps_without_drafts_skip_the_mtp_layer_and_catch_up_later(tiny_checkpoint_dir, monkeypatch):
-    """k = 0 steps do not run the MTP layer; the next drafting step catches up on every held-back row, after
-    which the drafts are those of an engine whose MTP layer saw every step (same cache)."""
+
+@pytest.mark.parametrize("schedule,drained", [([0, 0, 3, 0, 0, 0, 3], False), ([0] * 11 + [3], True)])
+def test_steps_without_drafts_skip_the_mtp_layer_and_catch_up_later(tiny_checkpoint_dir, monkeypatch, schedule,
+                                                                     drained):
+    """k = 0 steps do not run the MTP layer; the next drafting step catches up on every held-back row (a
+    backlog longer than k_max + 1 rows per request in graph-shaped drain passes first), after which the
+    drafts are those of an engine whose MTP layer saw every step (same cache)."""
+    from glm5.engine.spec_batched import DRAIN_ROWS
+    from glm5.engine.spec_forwards import SpecForwards
     from glm5.layers.mtp import MTPLayer
 
     prompts = [random_prompt(n, 640, seed=80 + n) for n in (5, 26, 37)]
@@ -139,21 +171,35 @@ def test_steps_without_drafts_skip_the_mtp_layer_and_catch_up_later(tiny_checkpo
             step.mtp_runs.append(len(calls) - before)
             return out
         step.mtp_runs = []
+        drains = []
+        orig_drain = SpecForwards.mtp_drain
+
+        def drain(self, rows, hidden, padded_requests, t):
+            assert len(rows.tokens) <= padded_requests * t and t == DRAIN_ROWS
+            drains.append(len(rows.tokens))
+            return orig_drain(self, rows, hidden, padded_requests, t)
         monkeypatch.setattr(MTPLayer, "forward", fwd)
+        monkeypatch.setattr(SpecForwards, "mtp_drain", drain)
         monkeypatch.setattr(type(eng), "step", step)
         out = [o.token_ids for o in eng.generate(prompts, greedy(16))]
         monkeypatch.undo()
-        return out, drafts, step.mtp_runs, eng
+        return out, drafts, step.mtp_runs, eng, drains
 
-    out_s, drafts_s, runs_s, eng_s = run(_Scripted([0, 0, 3, 0, 0, 0, 3]))
-    out_f, drafts_f, _, _ = run(None)
+    out_s, drafts_s, runs_s, eng_s, drains_s = run(_Scripted(schedule))
+    out_f, drafts_f, _, _, drains_f = run(None)
     assert out_s == ref and out_f == ref
     assert 0 in runs_s[1:]                                   # some decode steps ran no MTP pass at all
+    assert not drains_f and bool(drains_s) == drained   # 11 rows held back: the first 8 in a drain pass
     common = [(r, p) for r in drafts_s for p in drafts_s[r] if p in drafts_f.get(r, {})]
     assert len(common) >= 3
     for r, p in common:
         assert drafts_s[r][p] == drafts_f[r][p], (r, p)
     assert all(s.mtp_backlog is None for s in eng_s.scheduler.running)
+    # the policy's clock saw the decode steps only (3 prompts of 5-37 tokens: their prefill steps are not
+    # timed), and a plain step only where nothing was verified or drafted
+    timed = eng_s.k_policy.timed
+    assert 0 < len(timed) <= 16 and all(0 < b <= 3 for b, _ in timed)
+    assert any(p for _, p in timed) and not all(p for _, p in timed)
 
 
 def test_above_the_speculative_batch_cap_steps_decode_without_drafts(tiny_checkpoint_dir):

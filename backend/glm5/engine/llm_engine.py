@@ -345,7 +345,14 @@ class LLMEngine:
         for seq in sched.preempted:  # recomputed from the prompt: the MTP layer's cache goes with the blocks
             seq.mtp_backlog = None
         if sched.chunks:
-            self._run_isolated(sched, outputs)
+            t0 = time.perf_counter()
+            drafts = sum(c.num_drafts for c in sched.chunks)
+            decode = all(c.num_tokens == 1 + c.num_drafts for c in sched.chunks)
+            # the policy's clock (what speculation and its probes cost) runs on decode steps only: a prefill
+            # step's time (first-call compilation included) says nothing about them
+            if self._run_isolated(sched, outputs) and decode:
+                self.k_policy.observe_time(time.perf_counter() - t0, len(sched.chunks),
+                                           plain=not drafts and not self._k_next)
         return outputs
 
     def _run_isolated(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> bool:

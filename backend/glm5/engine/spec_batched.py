@@ -14,9 +14,10 @@ A step whose every request decodes one token (plus its drafts) runs as:
 
 When the next step drafts nothing (the adaptive policy chose ``k = 0``) the MTP layer does not run: the
 target's hidden rows wait in the request's backlog (:class:`MTPBacklog`) and the next drafting step catches
-up on all of them in one pass — which costs about what one row does while the weights dominate — so a
-step without speculation costs what a plain decode step costs. A backlog longer than ``MAX_BACKLOG`` rows is
-caught up without drafting; a mixed (prefill) step prepends it in the per-request proposal.
+up on all of them, up to ``DRAIN_ROWS`` rows per request per graph replay (while the weights dominate, a
+replay of several rows costs about what one row does), so a step without speculation costs what a plain
+decode step costs. A backlog of ``MAX_BACKLOG`` rows is caught up without drafting; a mixed (prefill) step
+prepends it in the per-request proposal.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from glm5.sampler import Sampler
 logger = logging.getLogger(__name__)
 
 MAX_BACKLOG = 64   # target hidden rows a request may hold back from the MTP layer
+DRAIN_ROWS = 16    # backlog rows per request of one drain pass (a captured graph per batch bucket)
 
 
 @dataclass
@@ -96,7 +98,7 @@ class BatchedSpeculation:
     def capture_cuda_graphs(self, max_batch: int, pool=None) -> None:
         graphs = SpecGraphs(self.model, self.mtp, self.cache, self.stager, self.buffers, self.planner,
                             share_index=self.fwd.share_index, buckets=graph_buckets(min(max_batch, self.max_requests)),
-                            k_max=self.k_max, pool=pool)
+                            k_max=self.k_max, drain_rows=DRAIN_ROWS, pool=pool)
         graphs.capture()
         self.fwd = graphs
 
@@ -256,29 +258,45 @@ class BatchedSpeculation:
         self._draft(entries, logits, hid, scores, ensure_blocks)
 
     def _catch_up(self, entries, drafting: bool):
-        """MTP rows for every entry's pending positions, compacted and padded to ``bucket × rows``; returns the
-        last row's logits, recycled hidden and (index sharing) scores per entry."""
-        n = len(entries)
-        longest = max(h.shape[0] for _, _, h, _ in entries)
+        """MTP rows for every entry's pending positions; returns (drafting) the last row's logits, recycled
+        hidden and (index sharing) scores per entry. Rows before the last ``k_max + 1`` of an entry (a backlog)
+        go first, in drain passes of up to ``DRAIN_ROWS`` rows per request without logits (graph replays: a
+        backlog of ``MAX_BACKLOG`` rows costs four, not one eager pass over every row)."""
+        t = DRAIN_ROWS
+        keep = self.k_max + 1 if drafting else 0
+        heads = [(seq, first, rows_h[: max(0, rows_h.shape[0] - keep)]) for seq, first, rows_h, _ in entries]
+        done = 0
+        while any(h.shape[0] > done for _, _, h in heads):
+            part = [(seq, first + done, h[done: done + t]) for seq, first, h in heads if h.shape[0] > done]
+            rows, hidden, _ = self._mtp_rows(part)
+            self.fwd.mtp_drain(rows, hidden, self._bucket(len(part)), t)
+            done += t
+        if not drafting:
+            return None
+        tails = [(seq, first + h.shape[0], rows_h[h.shape[0]:])
+                 for (seq, first, rows_h, _), (_, _, h) in zip(entries, heads)]
+        n = len(tails)
+        longest = max(h.shape[0] for _, _, h in tails)
         nb = self._bucket(n)
+        rows, hidden, last = self._mtp_rows(tails)
+        logits, h, scores = self.fwd.mtp_pass(rows, hidden, last + [0] * (nb - n), nb * longest)
+        idx = torch.tensor(last, device=h.device)
+        return logits[:n], h[idx].clone(), None if scores is None else scores[idx].clone()
+
+    @staticmethod
+    def _mtp_rows(part) -> tuple[DecodeRows, torch.Tensor, list[int]]:
+        """Staging rows of ``(request, first position, target hidden rows)`` items, compacted: the MTP row at
+        position ``p`` takes the token at ``p + 1``. Returns the rows, their hidden rows, each item's last row."""
         rows = DecodeRows([], [], [], [])
         last = []
-        for seq, first, rows_h, _ in entries:
+        for seq, first, rows_h in part:
             m = rows_h.shape[0]
             rows.tokens.extend(seq.tokens(first + 1, first + m + 1))
             rows.positions.extend(range(first, first + m))
             rows.state_slots.extend([seq.state_slot] * m)
             rows.block_tables.extend([seq.block_table] * m)
             last.append(len(rows.tokens) - 1)
-        hidden = torch.cat([h for _, _, h, _ in entries])
-        logits_rows = last + [0] * (nb - n) if drafting else []
-        # graph shapes: whole requests of ``longest`` rows; a longer catch-up (a backlog) runs eagerly as is
-        padded = nb * longest if drafting and longest <= self.k_max + 1 else len(rows.tokens)
-        logits, h, scores = self.fwd.mtp_pass(rows, hidden, logits_rows, padded)
-        if not drafting:
-            return None
-        idx = torch.tensor(last, device=h.device)
-        return logits[:n], h[idx].clone(), None if scores is None else scores[idx].clone()
+        return rows, torch.cat([h for _, _, h in part]), last
 
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor, positions: list[int]):
         """Draft tokens ``[n]`` from MTP logits: argmax for greedy requests, a counter-stream race over the
@@ -343,4 +361,4 @@ def _logprob_dict(lp) -> dict | None:
     return {"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank, "top": [list(t) for t in lp.top]}
 
 
-__all__ = ["BatchedSpeculation", "MAX_BACKLOG", "MTPBacklog", "VerifyResult", "neutral_params"]
+__all__ = ["BatchedSpeculation", "DRAIN_ROWS", "MAX_BACKLOG", "MTPBacklog", "VerifyResult", "neutral_params"]

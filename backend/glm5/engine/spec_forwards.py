@@ -8,10 +8,11 @@ Four passes, each over inputs staged by :class:`~glm5.engine.cuda_graph.DecodeSt
   device buffer;
 * **MTP catch-up** — the MTP layer over the rows the target just accepted (compacted, padded to
   ``requests × T``), logits of each request's last row, and (index sharing) the index scores it chose;
-* **MTP draft step** — one row per request, reusing those scores.
+* **MTP draft step** — one row per request, reusing those scores;
+* **MTP drain** — up to ``drain_rows`` backlog rows per request for the MTP layer's cache only (no logits).
 
 :class:`SpecGraphs` captures each pass per (batch bucket, rows per request) and replays it; a step whose
-shape has no graph (a batch above the cap, a catch-up longer than ``k_max + 1`` rows) runs eagerly with
+shape has no graph (a batch above the cap) runs eagerly with
 the same staging. The graphs share one memory pool, so a pass's outputs are valid until the next replay:
 the caller consumes or copies them first (as :mod:`glm5.engine.spec_batched` does).
 """
@@ -86,14 +87,19 @@ class SpecForwards:
         scores = (batch.decode.scores_out or {}).get(self.mtp.layer)
         return logits, h, scores
 
+    def mtp_drain(self, rows: DecodeRows, hidden: torch.Tensor, padded_requests: int, t: int) -> None:
+        """MTP layer over up to ``t`` backlog rows per request for its cache only (no logits, no drafts)."""
+        batch = self._stage_mtp(rows, hidden, [], padded_requests * t, False, None)
+        self.mtp.forward(batch, self.hidden_in[: padded_requests * t], self.cache)
+
 
 class SpecGraphs(SpecForwards):
     """:class:`SpecForwards` with every pass of a bucketed shape captured as a CUDA graph."""
 
-    def __init__(self, *args, buckets: list[int], k_max: int, pool=None, **kw):
+    def __init__(self, *args, buckets: list[int], k_max: int, drain_rows: int, pool=None, **kw):
         super().__init__(*args, **kw)
         self.buckets = sorted(buckets)
-        self.k_max = k_max
+        self.k_max, self.drain_rows = k_max, drain_rows
         self.pool = pool
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
 
@@ -117,6 +123,9 @@ class SpecGraphs(SpecForwards):
                     self._capture(("catchup", b, t), functools.partial(self._mtp_outputs, mb, b * t), stream)
                 mb = self._stage_mtp(self._empty(), self.hidden_in[:0], list(range(b)), b, True, None)
                 self._capture(("draft", b), functools.partial(self._mtp_outputs, mb, b), stream)
+                t = self.drain_rows
+                mb = self._stage_mtp(self._empty(), self.hidden_in[:0], [], b * t, False, None)
+                self._capture(("drain", b, t), functools.partial(self._mtp_outputs, mb, b * t), stream)
         torch.cuda.current_stream(dev).wait_stream(stream)
         torch.cuda.synchronize(dev)
         logger.info("captured %d speculative CUDA graphs (batches %s, k <= %d) in %.1f s", len(self.graphs),
@@ -164,6 +173,13 @@ class SpecGraphs(SpecForwards):
         graph, out = self.graphs[key]
         graph.replay()
         return out
+
+    def mtp_drain(self, rows: DecodeRows, hidden: torch.Tensor, padded_requests: int, t: int) -> None:
+        key = ("drain", padded_requests, t)
+        if key not in self.graphs:
+            return super().mtp_drain(rows, hidden, padded_requests, t)
+        self._stage_mtp(rows, hidden, [], padded_requests * t, False, None)
+        self.graphs[key][0].replay()
 
 
 __all__ = ["SpecForwards", "SpecGraphs"]

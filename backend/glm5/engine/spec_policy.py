@@ -218,13 +218,28 @@ def expected_tokens(rates: list[float], k: int) -> float:
 
 
 class AdaptiveK:
-    """Per step: the ``k`` in ``0..k_max`` with the most tokens per second at the current batch size."""
+    """Per step: the ``k`` in ``0..k_max`` with the most tokens per second at the current batch size.
+
+    While speculation is off, the acceptance estimate goes stale, so the policy now and then *probes*: one
+    step drafts one token. A probe is not free - it catches the MTP layer up on the rows that waited while
+    it was off, then verifies two rows per request - so probes draw on an exploration budget: their cost
+    beyond plain steps (measured from the engine's step times, :meth:`observe_time`; before the first one,
+    ``2 x`` a ``k = 1`` round of the cost model) stays within ``explore_fraction`` of the elapsed step time.
+    No probe runs where no acceptance could pay (:meth:`can_pay`) or before ``probe_every`` steps at zero."""
 
     def __init__(self, k_max: int, cost: SpecCostModel, probe_every: int = 16,
-                 tracker: AcceptanceTracker | None = None):
+                 tracker: AcceptanceTracker | None = None, explore_fraction: float = 0.02):
         self.k_max, self.cost, self.probe_every = k_max, cost, probe_every
+        self.explore_fraction = explore_fraction
         self.tracker = tracker or AcceptanceTracker(k_max)
         self._steps_at_zero = 0
+        self.elapsed_s = 0.0        # step time observed
+        self.probe_spent_s = 0.0    # probes' time beyond what plain steps would have taken
+        self.probes = 0
+        self._probe_cost_s: float | None = None   # the last probe's measured excess
+        self._probe_steps = 0                      # steps of the running probe still to observe
+        self._probe_acc = 0.0
+        self._plain_ratio = 1.0                    # measured plain step / the cost model's plain round
 
     def throughput(self, batch: int, k: int) -> float:
         """Tokens per second per request the model predicts for ``k`` drafts at ``batch`` requests."""
@@ -239,9 +254,20 @@ class AdaptiveK:
         plain = self.cost.round_s(batch, 0)
         return any((k + 1) / self.cost.round_s(batch, k) > 1.0 / plain for k in range(1, self.k_max + 1))
 
+    def probe_cost_s(self, batch: int) -> float:
+        """What the next probe is expected to cost beyond plain steps."""
+        if self._probe_cost_s is not None:
+            return self._probe_cost_s
+        return 2.0 * self.cost.round_s(batch, 1)
+
+    def _may_probe(self, batch: int) -> bool:
+        if not self.probe_every or self._steps_at_zero < self.probe_every or self._probe_steps:
+            return False
+        budget = self.explore_fraction * self.elapsed_s
+        return self.probe_spent_s + self.probe_cost_s(batch) <= budget and self.can_pay(batch)
+
     def choose(self, batch: int) -> int:
-        """The next step's k; while speculation is off, every ``probe_every``-th step drafts one token so the
-        acceptance estimate keeps following the traffic - unless no acceptance could make it pay here."""
+        """The next step's k (class docstring: the probes while it is 0)."""
         if batch <= 0:
             return 0
         k = self.best(batch)
@@ -249,12 +275,32 @@ class AdaptiveK:
             self._steps_at_zero = 0
             return k
         self._steps_at_zero += 1
-        if self.probe_every and self._steps_at_zero % self.probe_every == 0 and self.can_pay(batch):
+        if self._may_probe(batch):
+            self._steps_at_zero = 0
+            self._probe_steps, self._probe_acc = 2, 0.0   # this step's catch-up + drafts, the next one's verify
+            self.probes += 1
             return 1
         return 0
 
     def observe_step(self, results: list[tuple[int, int]]) -> None:
         self.tracker.observe_step(results)
+
+    def observe_time(self, seconds: float, batch: int, plain: bool) -> None:
+        """One engine step's wall time at ``batch`` requests, after the step chose the next ``k``. ``plain``:
+        a decode step that verified and drafted nothing (it calibrates what a plain step costs here)."""
+        if batch <= 0:
+            return
+        self.elapsed_s += seconds
+        expected_plain = self._plain_ratio * self.cost.round_s(batch, 0)
+        if self._probe_steps:
+            self._probe_acc += max(0.0, seconds - expected_plain)
+            self._probe_steps -= 1
+            if not self._probe_steps:
+                self._probe_cost_s = self._probe_acc
+                self.probe_spent_s += self._probe_acc
+        elif plain:
+            ratio = seconds / self.cost.round_s(batch, 0)
+            self._plain_ratio = 0.9 * self._plain_ratio + 0.1 * ratio
 
 
 class FixedK:
@@ -269,6 +315,9 @@ class FixedK:
 
     def observe_step(self, results: list[tuple[int, int]]) -> None:
         self.tracker.observe_step(results)
+
+    def observe_time(self, seconds: float, batch: int, plain: bool) -> None:
+        pass
 
 
 __all__ = ["AcceptanceTracker", "AdaptiveK", "DEFAULT_BANDWIDTH", "DEFAULT_PASS_OVERHEAD_S", "FixedK",
