@@ -111,8 +111,8 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_
     ok = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX_)
-    # IEEE-rounded divisions, as torch's reference does: a plain `/` compiles to the approximate
-    # div.full.f32 on NVIDIA GPUs, whose 1-ulp differences flipped 3 e4m3 values in the first H200 check
+    # IEEE-rounded divisions, as the reference's tensor / tensor divisions are: a plain `/` compiles to the
+    # approximate div.full.f32 on NVIDIA GPUs (1-ulp differences flip e4m3 codes at rounding ties)
     s = tl.math.div_rn(amax, FP8_MAX_)
     q = tl.clamp(tl.math.div_rn(x, s), -FP8_MAX_, FP8_MAX_)
     tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=ok)

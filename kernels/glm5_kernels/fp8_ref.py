@@ -92,7 +92,10 @@ def per_token_group_quant_fp8_ref(x: torch.Tensor, group: int = BLOCK) -> tuple[
     if pad:
         xf = F.pad(xf, (0, pad))
     g = xf.reshape(m, (k + pad) // group, group)
-    scale = g.abs().amax(dim=-1).clamp_min(MIN_AMAX) / FP8_MAX
+    amax = g.abs().amax(dim=-1).clamp_min(MIN_AMAX)
+    # tensor / tensor: the IEEE-rounded division (on CUDA, dividing by a Python scalar multiplies by its
+    # rounded reciprocal, which the H200 check saw 1 ulp off amax / 448 and flip e4m3 codes at ties)
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).reshape(m, k + pad)[:, :k].contiguous()
     return q, scale.contiguous()
 
