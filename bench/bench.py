@@ -110,7 +110,7 @@ def jsonl_logger(path: Path, echo_chars: int = 300) -> Callable[[object], None]:
 
 
 class Setup:
-    """``par``: a :class:`glm5.distributed.ParallelContext` (``--distributed``: the model's collectives run)."""
+    """``par``: a :class:`glm5.distributed.ParallelContext` (``--distributed``: the model built and run through it)."""
 
     def __init__(self, max_batch: int, max_ctx: int, weight_dtype: str = "bfloat16", par=None,
                  max_prefill: int = 0):
@@ -238,13 +238,16 @@ def run_decode(s: "Setup", batches, ctxs, reps: int, log, graphs: bool = True) -
                 rows = decode_rows(s, b, ctx)
                 batch = staged(rows, b)
                 s.touched.clear()
+                calls0 = s.par.collective_calls if s.par is not None else 0
                 s.model.forward(batch, s.cache)  # eager, records the experts the routing touches
                 torch.cuda.synchronize()
                 touched = list(s.touched)
                 s.recording = False
+                row = {"batch": b, "ctx": ctx, "weight_dtype": s.weight_dtype}
+                if s.par is not None:
+                    row["collectives_per_step"] = s.par.collective_calls - calls0
                 eager = timed(lambda: s.model.forward(staged(rows, b), s.cache), reps, warmup=1)
-                row = {"batch": b, "ctx": ctx, "weight_dtype": s.weight_dtype, "eager_step_s": median(eager),
-                       "experts_touched": touched, "bytes": s.decode_bytes(b, ctx, touched)}
+                row.update(eager_step_s=median(eager), experts_touched=touched, bytes=s.decode_bytes(b, ctx, touched))
                 if runner is not None:
                     step = runner.run if s.par is None else (
                         lambda r: (s.par.broadcast_object([("decode", r)]), runner.run(r)))
@@ -458,23 +461,34 @@ def nccl_world_of_one():
 
 def run_distributed(res: dict, batches, ctxs, weight_dtype: str, log) -> dict:
     """The bench config again through the distributed path at world size 1 (NCCL), after the plain run of the
-    same process: the same decode rows and an 8K prefill, each against the plain run's number."""
+    same process: the same decode rows and an 8K prefill, each against the plain run's number. Then the decode
+    rows at the first context once more with the one-rank collectives launched (``collectives_at_size_one``:
+    what each NCCL call costs inside the graph, the floor a TP > 1 step pays per collective)."""
     from glm5.distributed.parallel_state import destroy_parallel_context
     par = nccl_world_of_one()
     out: dict = {"world_size": 1, "backend": par.backend, "weight_dtype": weight_dtype}
     try:
-        s = Setup(max(batches), max(ctxs), weight_dtype, par=par)
+        s = Setup(max(batches), max(ctxs), weight_dtype, par=par, max_prefill=8192)
         out["prefill"] = run_prefill(s, [8192], 4096, log)
         out["decode"] = run_decode(s, batches, ctxs, reps=3, log=log)
+        par.collectives_at_size_one = True
+        out["decode_collectives_launched"] = run_decode(s, batches, ctxs[:1], reps=3, log=log)
+        for r in out["decode_collectives_launched"]:  # the per-step message alone (pickle + gloo broadcast)
+            rows = decode_rows(s, r["batch"], r["ctx"])
+            r["message_s"] = median(timed(lambda: par.broadcast_object([("decode", rows)]), 20, warmup=2))
         s.close()
     finally:
         destroy_parallel_context(par)
     plain = {(r["batch"], r["ctx"]): r for r in res.get("decode", [])
              if "step_s" in r and r.get("weight_dtype") == weight_dtype}
-    for r in out["decode"]:
+    for r in out["decode"] + out["decode_collectives_launched"]:
         p = plain.get((r.get("batch"), r.get("ctx")))
         if p is not None and "step_s" in r:
             r["vs_plain"] = r["step_s"] / p["step_s"]
+            if r.get("collectives_per_step") and "message_s" in r:
+                # besides the step message: one control broadcast is counted as a collective too
+                n = r["collectives_per_step"]
+                r["us_per_collective"] = (r["step_s"] - p["step_s"] - r["message_s"]) / n * 1e6
     pre = {r["tokens"]: r for r in res.get("prefill", []) if "time_s" in r and r.get("weight_dtype", weight_dtype) ==
            weight_dtype}
     for r in out["prefill"]:
@@ -505,7 +519,8 @@ def main() -> int:
     ap.add_argument("--hf-only", action="store_true", help="engine b1 ctx 1K, then transformers, same run")
     ap.add_argument("--distributed", action="store_true",
                     help="then the same decode rows and an 8K prefill through the distributed path at world size 1 "
-                         "(NCCL collectives + the executor's per-step message), each against the plain number")
+                         "(one-rank NCCL groups), each against the plain number; then the decode rows with the "
+                         "one-rank collectives and the step message launched anyway (their cost)")
     ap.add_argument("--weight-dtypes", default="bfloat16,float8_e4m3fn",
                     help="comma-separated weight storage to measure, in order (bfloat16, float8_e4m3fn)")
     args = ap.parse_args()

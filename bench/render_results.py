@@ -155,6 +155,9 @@ def speculative_tables(spec: dict) -> list[str]:
     batch at each acceptance level, and the trained tiny checkpoint's acceptance."""
     out = [f"Run {spec['date']} on {spec['gpu']} (`{spec['command']}`); bench config plus its MTP layer, CUDA graphs; "
            "a round = one engine step (verify k+1 rows, accept, commit, MTP catch-up, k-1 draft steps).", ""]
+    for m in spec.get("merged_runs", []):  # rows of a later run (each row's plain step is from its own run)
+        out += [f"Batch {', '.join(str(b) for b in m['batches'])}: run {m['date']} (`{m['command']}`), merged; "
+                "its rows carry `run`.", ""]
     rounds = spec.get("rounds", [])
     if rounds:
         out += _table(["batch", "ctx", "k", "round ms (all accepted)", "round ms (none accepted)", "plain step ms",
@@ -252,13 +255,25 @@ def render(res: dict, path: Path, notes: Path | None = None) -> None:
     dist = res.get("distributed")
     if dist and "decode" in dist:
         lines += ["## The distributed path at world size 1 (same run)", "",
-                  f"The bench config again through the distributed executor's path on one GPU ({dist['backend']}, "
-                  "one rank: every collective runs, plus the per-step message on the control group); ratio = this "
-                  "step / the plain step above.", "",
+                  f"The bench config again through the distributed executor's path on one GPU ({dist['backend']} "
+                  "process groups of one rank, the per-step message on the gloo control group; collectives over "
+                  "one rank are the identity, as in vLLM); ratio = this step / the plain step above.", "",
                   "| batch | ctx | step ms | vs plain |", "|---:|---:|---:|---:|"]
         for r in dist["decode"]:
             if "step_s" in r:
                 lines.append(f"| {r['batch']} | {r['ctx']} | {r['step_s'] * 1e3:.3f} | {r.get('vs_plain', float('nan')):.3f} |")
+        forced = [r for r in dist.get("decode_collectives_launched", []) if "step_s" in r]
+        if forced:
+            lines += ["", "The same rows with the one-rank collectives and the step message launched anyway "
+                          "(`collectives_at_size_one`): what they cost, a floor for a TP > 1 step. `message` = the "
+                          "driver's step message alone (pickle + gloo broadcast); µs / collective = the rest of "
+                          "the difference to the plain step per collective.", "",
+                      "| batch | ctx | step ms | vs plain | message ms | collectives / step | µs / collective |",
+                      "|---:|---:|---:|---:|---:|---:|---:|"]
+            for r in forced:
+                lines.append(f"| {r['batch']} | {r['ctx']} | {r['step_s'] * 1e3:.3f} | "
+                             f"{r.get('vs_plain', float('nan')):.3f} | {r.get('message_s', float('nan')) * 1e3:.3f} | "
+                             f"{r.get('collectives_per_step', '')} | {r.get('us_per_collective', float('nan')):.1f} |")
         for r in dist.get("prefill", []):
             if "time_s" in r:
                 lines += ["", f"Prefill {r['tokens']} tokens: {r['time_s']:.3f} s "

@@ -1,5 +1,5 @@
 """The distributed engine on CUDA (NCCL): greedy tokens under TP = N on N GPUs equal one GPU's, and the NCCL path
-at world size 1 (the collectives inside captured decode graphs) equals the plain engine.
+at world size 1 (process groups and step messages with captured decode graphs) equals the plain engine.
 
 fp32 (IEEE Triton kernels), the tiny checkpoint widened so that N ≤ 8 ranks split it with the fused-MoE tiles
 (8 MLA / KDA heads, expert intermediate 128). With one GPU only the world-size-1 tests run.

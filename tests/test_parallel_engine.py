@@ -201,7 +201,8 @@ def test_cli_generate_tp2_ep_spec_matches_single_process(tiny_checkpoint_dir, re
 
 
 def test_world_of_one_through_the_executor_matches_single_process(tiny_checkpoint_dir, reference):
-    """``distributed=True`` at world size 1: the process group, the step messages and every collective run."""
+    """``distributed=True`` at world size 1: the process group and the step messages run (collectives over one
+    rank are the identity: test_parallel_units.test_one_rank_groups_skip_their_collectives_unless_asked)."""
     tokens, eng = run_distributed(tiny_checkpoint_dir, distributed=True)
     try:
         assert tokens == reference and eng.runner.worker_pids() == [] and eng.runner.par.distributed

@@ -308,3 +308,40 @@ def test_fp8_shards_stay_fp8_on_the_block_grid(tmp_path, inter, kept):
             assert name + "_scale_inv" not in w and w[name].dtype == torch.float32
             full = load_weights(tmp_path, cfg, progress=False)[name]
             assert torch.equal(w[name], full[r.rank * half:(r.rank + 1) * half])
+
+
+def test_one_rank_groups_skip_their_collectives_unless_asked():
+    """A gloo world of one: every collective and the driver's step message are the identity without launching
+    (as vLLM's collectives are at size 1); with ``collectives_at_size_one`` (the bench's measurement of their
+    cost) they run, with the same results."""
+    code = textwrap.dedent("""
+        import datetime
+        import torch
+        import torch.distributed as dist
+        from glm5.distributed import ParallelConfig
+        from glm5.distributed.parallel_state import build_context, destroy_parallel_context, join_world
+        from glm5.engine.worker_processes import free_port
+        store = dist.TCPStore("127.0.0.1", free_port("127.0.0.1"), 1, is_master=True,
+                              timeout=datetime.timedelta(seconds=60))
+        backend, control = join_world(0, 1, torch.device("cpu"), store)
+        par = build_context(ParallelConfig(), 0, backend, control)
+        x = torch.arange(12.0).view(3, 4)
+        def all_of(par):
+            return [par.tp_all_reduce(x.clone()), par.tp_all_gather(x), par.ep_all_reduce(x.clone()),
+                    par.ep_reduce_scatter_gather(x), par.ep_all_gather(x)[0], par.broadcast(x.clone()),
+                    par.ep_all_to_all(x, [3], [3]), par.broadcast_object(x)]
+        skipped = all_of(par)
+        par.barrier()
+        assert par.distributed and par.collective_calls == 0
+        par.collectives_at_size_one = True
+        launched = all_of(par)
+        par.barrier()
+        assert par.collective_calls == 9, par.collective_calls
+        assert all(torch.equal(a, x) and torch.equal(b, x) for a, b in zip(skipped, launched))
+        destroy_parallel_context(par)
+        print("ok")
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "kernels"), str(ROOT / "backend"), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]

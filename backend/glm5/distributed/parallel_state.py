@@ -11,8 +11,12 @@ how "EP alone" (TP = 1, EP = N) works. World rank ``w`` is TP rank ``w % TP`` of
 :class:`ParallelContext` owns the process groups of one rank and is what the layers call: ``tp_all_reduce`` after a
 row-parallel projection, ``tp_all_gather`` for the vocab-parallel logits, the EP dispatch/combine collectives. A
 context without groups (:meth:`ParallelContext.single`) makes every collective the identity, so single-device code
-pays nothing; a context *with* groups of size 1 (``--distributed`` at world size 1) still calls them, which is how
-the NCCL path is measured on one GPU.
+pays nothing. A group of one rank is the identity as well (as vLLM's collectives are): at world size 1 the model
+is built and run through the distributed path (process groups, sharded layers, the executor), but neither a
+one-rank NCCL collective, which moves nothing, nor the driver's per-step message to no worker is launched.
+Launched anyway they made the bench config's batch-1 decode step 1.2-1.4x slower on the H200, most of it the
+pickled step message on gloo (``bench/bench.py --distributed`` measures both ways: ``collectives_at_size_one=True``
+launches them).
 """
 
 from __future__ import annotations
@@ -158,6 +162,8 @@ class ParallelContext:
     tp_group: Any = None        # device backend over this rank's TP group
     control_group: Any = None   # gloo over every rank: the driver's step messages (pickled objects)
     backend: str = "none"
+    collectives_at_size_one: bool = False   # launch collectives over one-rank groups too (bench: their cost)
+    collective_calls: int = 0                # collectives launched (counted on the host)
 
     @classmethod
     def single(cls) -> "ParallelContext":
@@ -166,6 +172,13 @@ class ParallelContext:
     @property
     def distributed(self) -> bool:
         return self.world_group is not None
+
+    def _launch(self, group: Any, size: int) -> bool:
+        """Whether a collective over ``group`` (of ``size`` ranks) runs (module docstring: one-rank groups)."""
+        if group is None or (size == 1 and not self.collectives_at_size_one):
+            return False
+        self.collective_calls += 1
+        return True
 
     @property
     def tp_size(self) -> int:
@@ -186,7 +199,7 @@ class ParallelContext:
     # ------------------------------------------------------------------ tensor parallel
     def tp_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the TP group, in place (the reduce after a row-parallel projection)."""
-        if self.tp_group is None:
+        if not self._launch(self.tp_group, self.tp_size):
             return x
         import torch.distributed as dist
         dist.all_reduce(x, group=self.tp_group)
@@ -194,7 +207,7 @@ class ParallelContext:
 
     def tp_all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every TP rank's ``x [N, C]`` along the last dim → ``[N, tp * C]`` (rank order)."""
-        if self.tp_group is None:
+        if not self._launch(self.tp_group, self.tp_size):
             return x
         n = self.tp_size
         x = x.contiguous()
@@ -204,7 +217,7 @@ class ParallelContext:
 
     # ------------------------------------------------------------------ expert parallel (world group)
     def ep_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.world_group is None:
+        if not self._launch(self.world_group, self.ranks.world_size):
             return x
         import torch.distributed as dist
         dist.all_reduce(x, group=self.world_group)
@@ -213,7 +226,7 @@ class ParallelContext:
     def ep_reduce_scatter_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x [T, H]`` over the world as a reduce-scatter over token rows then an all-gather of the summed
         rows (the combine of the all-gather + reduce-scatter dispatch; same result as an all-reduce)."""
-        if self.world_group is None:
+        if not self._launch(self.world_group, self.ranks.world_size):
             return x
         n = self.ranks.world_size
         t = x.shape[0]
@@ -228,6 +241,8 @@ class ParallelContext:
     def ep_all_to_all(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
         """Rows ``x[sum(send[:r]) : sum(send[:r+1])]`` go to rank r; returns the rows received, in rank order."""
         import torch.distributed as dist
+        if not self._launch(self.world_group, self.ranks.world_size):
+            return x.contiguous()
         out = torch.empty((sum(recv_counts),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv_counts, input_split_sizes=send_counts,
                                group=self.world_group)
@@ -235,7 +250,7 @@ class ParallelContext:
 
     def ep_all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Stack every rank's ``x`` → ``[world, *x.shape]``."""
-        if self.world_group is None:
+        if not self._launch(self.world_group, self.ranks.world_size):
             return x.unsqueeze(0)
         n = self.ranks.world_size
         out = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -244,7 +259,7 @@ class ParallelContext:
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Broadcast a tensor from ``src`` over the world (device backend), in place."""
-        if self.world_group is None:
+        if not self._launch(self.world_group, self.ranks.world_size):
             return x
         import torch.distributed as dist
         dist.broadcast(x, src=src, group=self.world_group)
@@ -253,8 +268,8 @@ class ParallelContext:
     # ------------------------------------------------------------------ control messages
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0 sends ``obj`` (picklable) to every rank; every rank returns it (workers block here for the
-        driver's next step)."""
-        if self.control_group is None:
+        driver's next step). A world of one has nobody to send to (module docstring)."""
+        if not self._launch(self.control_group, self.ranks.world_size):
             return obj
         import torch.distributed as dist
         box = [obj]
@@ -262,7 +277,7 @@ class ParallelContext:
         return box[0]
 
     def barrier(self) -> None:
-        if self.control_group is not None:
+        if self._launch(self.control_group, self.ranks.world_size):
             import torch.distributed as dist
             dist.barrier(group=self.control_group)
 
