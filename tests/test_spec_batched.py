@@ -194,9 +194,8 @@ def _copy_into(dst, src):
             _copy_into(getattr(dst, name), getattr(src, name))
 
 
-def test_graph_shaped_replay_equals_eager_on_cpu(pair, monkeypatch):
-    """The captured-graph dispatch of speculative steps (glm5.engine.spec_forwards.SpecGraphs) with replays
-    simulated by re-running the captured passes: same tokens and acceptance as the eager passes."""
+def _simulate_graphs(monkeypatch) -> None:
+    """SpecGraphs captures on the CPU: each pass becomes a :class:`_ReplayByRerun` (``.key``: its graph key)."""
     import contextlib
 
     from glm5.engine import spec_forwards
@@ -212,8 +211,16 @@ def test_graph_shaped_replay_equals_eager_on_cpu(pair, monkeypatch):
 
     def capture(self, key, fn, stream):
         out = fn()
-        self.graphs[key] = (_ReplayByRerun(fn, out), out)
+        graph = _ReplayByRerun(fn, out)
+        graph.key = key
+        self.graphs[key] = (graph, out)
     monkeypatch.setattr(spec_forwards.SpecGraphs, "_capture", capture)
+
+
+def test_graph_shaped_replay_equals_eager_on_cpu(pair, monkeypatch):
+    """The captured-graph dispatch of speculative steps (glm5.engine.spec_forwards.SpecGraphs) with replays
+    simulated by re-running the captured passes: same tokens and acceptance as the eager passes."""
+    _simulate_graphs(monkeypatch)
     ckpt, _ = pair
     prompts = [random_prompt(n, VOCAB, seed=900 + n) for n in (2, 23, 37)]
     ref = [o.token_ids for o in engine(ckpt, decode_path="batched").generate(prompts, greedy(12))]
@@ -232,3 +239,59 @@ def test_graph_shaped_replay_equals_eager_on_cpu(pair, monkeypatch):
         results[graphs] = ([o.token_ids for o in eng.generate(prompts, greedy(12))], eng.spec_stats.to_dict())
         assert bool(replays) == graphs
     assert results[True] == results[False] and results[True][0] == ref
+
+
+class _OffThenOn:
+    """Drafts nothing for ``off`` steps, then ``k`` once, repeatedly: backlogs longer than one drain pass."""
+
+    def __init__(self, off: int, k: int):
+        self.off, self.k, self.i = off, k, 0
+
+    def choose(self, batch, may_probe=True):
+        self.i += 1
+        return self.k if self.i % (self.off + 1) == 0 else 0
+
+    def observe_step(self, results):
+        pass
+
+    def observe_time(self, seconds, batch, plain):
+        pass
+
+
+def test_backlog_drains_replay_their_graphs_and_draft_as_eager_on_cpu(pair, monkeypatch):
+    """36 steps without drafts, then k = 3, twice: the held-back rows go through two 16-row drain passes
+    before the drafting catch-up; graph-simulated and eager engines give the same tokens, drafts and
+    acceptance, the drain graphs are replayed, and the tokens are k = 0's."""
+    from glm5.engine.spec_batched import DRAIN_ROWS, MAX_BACKLOG
+
+    _simulate_graphs(monkeypatch)
+    ckpt, _ = pair
+    prompts = [random_prompt(n, VOCAB, seed=700 + n) for n in (3, 20, 31)]
+    n_new = 80
+    ref = [o.token_ids for o in engine(ckpt, decode_path="batched").generate(prompts, greedy(n_new))]
+    replays: list[tuple] = []
+    orig = _ReplayByRerun.replay
+    monkeypatch.setattr(_ReplayByRerun, "replay", lambda self: (replays.append(self.key), orig(self)))
+    assert 2 * DRAIN_ROWS < 36 < MAX_BACKLOG
+    runs = {}
+    for graphs in (False, True):
+        eng = engine(ckpt, decode_path="batched", num_speculative_tokens=3, max_num_seqs=4)
+        eng.k_policy = _OffThenOn(36, 3)
+        if graphs:
+            eng.spec.capture_cuda_graphs(4)
+        drafts: list[list[int]] = []
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, greedy(n_new))
+        outs: dict[str, list[int]] = {}
+        replays.clear()
+        while eng.has_unfinished():
+            for o in eng.step():
+                outs.setdefault(o.request_id, []).extend(o.token_ids)
+            drafts += [list(s.draft_tokens) for s in eng.scheduler.running if s.draft_tokens]
+        runs[graphs] = ([outs[f"r{i}"] for i in range(3)], drafts, eng.spec_stats.to_dict(),
+                        [k for k in replays if k[0] == "drain"])
+    assert runs[True][0] == runs[False][0] == ref
+    assert runs[True][1] == runs[False][1] and runs[True][2] == runs[False][2]
+    assert runs[True][2]["steps"] > 0 and len(runs[True][1]) >= 2
+    assert len(runs[True][3]) >= 4 and all(k[2] == DRAIN_ROWS for k in runs[True][3])   # two rounds x 2 passes
+    assert not runs[False][3]

@@ -91,7 +91,7 @@ def test_adaptive_k_probes_within_its_exploration_budget_and_follows_acceptance(
     # each probe then costs 2 x (0.03 - 0.01) s beyond plain steps: 2 % of the time covers one per 100+ steps
     assert all(b - a >= 100 for a, b in zip(probes, probes[1:]))
     assert policy.probe_spent_s == pytest.approx(0.04 * len(probes))
-    assert policy.probe_spent_s <= 0.02 * policy.elapsed_s
+    assert policy.probe_spent_s <= 0.02 * policy.elapsed_s + policy.probe_cost_s(1)   # at most one probe ahead
     for _ in range(200):  # drafts start passing: the estimate follows and speculation comes back
         policy.observe_step([(3, 3)] * 4)
     assert policy.tracker.rates()[0] > 0.95 and policy.choose(1) == 3
@@ -126,7 +126,7 @@ class _Scripted:
         self.schedule, self.i = schedule, 0
         self.timed: list[tuple[int, bool]] = []
 
-    def choose(self, batch):
+    def choose(self, batch, may_probe=True):
         self.i += 1
         return self.schedule[self.i % len(self.schedule)]
 
@@ -220,3 +220,30 @@ def test_above_the_speculative_batch_cap_steps_decode_without_drafts(tiny_checkp
             drafted_at.append(len(eng.scheduler.running))
     assert [outs[f"r{i}"] for i in range(3)] == ref
     assert drafted_at and max(drafted_at) <= 2 and eng.spec_stats.steps > 0
+
+
+def test_probe_credit_does_not_pile_up_and_one_stall_does_not_stop_probing(real_cfg, tmp_path):
+    """Time with speculation on earns no probe credit, and the credit never holds more than two probes, so a
+    policy that turns off after a long speculative stretch does not burst into back-to-back probes; one probe
+    slowed by a stall (a first-call compilation, say) counts at most 8 k = 1 rounds, so probing resumes."""
+    cost = SpecCostModel.load(_table(tmp_path, 0.01, {1: 0.8, 8: 0.4, 64: 0.05}), real_cfg)
+    on = AdaptiveK(3, cost, probe_every=4, tracker=_tracker(0.95))
+    assert on.best(1) > 0
+    _drive(on, 20000, 1, plain_s=0.01, probe_step_s=0.03)
+    assert on.elapsed_s == 0 and on.credit_s == 0
+    policy = AdaptiveK(3, cost, probe_every=4, tracker=AcceptanceTracker(3, prior=0.2))
+    _drive(policy, 100000, 1, plain_s=0.01, probe_step_s=0.01)   # probes that cost nothing: credit caps
+    assert policy.credit_s <= 2 * policy.probe_cost_s(1) + 1e-12
+    stalled = AdaptiveK(3, cost, probe_every=4, tracker=AcceptanceTracker(3, prior=0.2))
+    picks, prev = [], 0
+    for i in range(4000):
+        k = stalled.choose(1)
+        busy = bool(k or prev)
+        secs = (5.0 if stalled.probes == 1 else 0.03) if busy else 0.01   # the first probe stalls for 5 s
+        stalled.observe_time(secs, 1, plain=not busy)
+        picks.append(k)
+        prev = k
+    assert stalled.probes >= 3 and stalled.probe_cost_s(1) < 8.5 * cost.round_s(1, 1)
+    with pytest.raises(ValueError, match="round_s must be > 0"):
+        (tmp_path / "zero.json").write_text(json.dumps({"rounds": [{"batch": 1, "k": 0, "round_s": 0}]}))
+        SpecCostModel.load(tmp_path / "zero.json", real_cfg)

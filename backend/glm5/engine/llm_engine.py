@@ -150,6 +150,7 @@ class LLMEngine:
         self.spec_stats = SpecStats(k) if k else None
         self.k_policy = self._k_policy(args)
         self._k_next = k
+        self._mtp_ran = False   # the last step ran the MTP layer (so it was no plain step)
         self._noise_seeds = torch.Generator().manual_seed(args.seed)
         # cache mutations go through the runner's view: a distributed runner replays them on every rank
         self.kv = KVCacheManager(self.runner.kv_cache_view(), cache_cfg.num_blocks, cache_cfg.num_state_slots,
@@ -350,9 +351,10 @@ class LLMEngine:
             decode = all(c.num_tokens == 1 + c.num_drafts for c in sched.chunks)
             # the policy's clock (what speculation and its probes cost) runs on decode steps only: a prefill
             # step's time (first-call compilation included) says nothing about them
+            self._mtp_ran = False
             if self._run_isolated(sched, outputs) and decode:
                 self.k_policy.observe_time(time.perf_counter() - t0, len(sched.chunks),
-                                           plain=not drafts and not self._k_next)
+                                           plain=not drafts and not self._k_next and not self._mtp_ran)
         return outputs
 
     def _run_isolated(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> bool:
@@ -428,7 +430,9 @@ class LLMEngine:
         if self.spec is not None and self.spec.accepts(sched):
             self._speculative_step(sched, outputs)
             return
-        self._k_next = self._choose_k(len(self.scheduler.running))
+        # a probe only on a decode step: the policy times those alone (step())
+        self._k_next = self._choose_k(len(self.scheduler.running),
+                                      may_probe=all(c.num_tokens == 1 + c.num_drafts for c in sched.chunks))
         batch, model_out, sample_idx = self.runner.execute(sched)
         for ci, row, n, p0 in batch.prompt_logprob_rows:
             score_prompt_logprobs(sched.chunks[ci].seq, model_out.logits[row:row + n], p0)
@@ -476,7 +480,7 @@ class LLMEngine:
         its end (the next chat turn starts there) unless its states hold rows past its output (``trimmed``)."""
         complete = False
         try:
-            propose()
+            self._mtp_ran = bool(propose())
             for c in sched.chunks:
                 self.kv.after_step(c.seq)
             complete = True
@@ -496,12 +500,12 @@ class LLMEngine:
         return excess
 
     # ------------------------------------------------------------------ speculative decoding
-    def _choose_k(self, batch: int) -> int:
+    def _choose_k(self, batch: int, may_probe: bool = True) -> int:
         """The next step's drafts: none above the batched speculation's request cap (those steps decode on
         the plain batched path and the MTP layer waits), else the policy's."""
         if self.spec is not None and batch > self.spec.max_requests:
             return 0
-        return self.k_policy.choose(batch)
+        return self.k_policy.choose(batch, may_probe=may_probe)
 
     def _speculative_step(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
         """A pure-decode step on the batched path: verify, accept and commit on the device, then draft."""
@@ -573,8 +577,9 @@ class LLMEngine:
         seq.draft_tokens.append(token)
         return token
 
-    def _propose(self, sched, batch, hidden: torch.Tensor, valid_rows: dict[int, int], sampled: set[int]) -> None:
-        """MTP catch-up over this step's accepted rows, then draft steps for requests that will decode."""
+    def _propose(self, sched, batch, hidden: torch.Tensor, valid_rows: dict[int, int], sampled: set[int]) -> bool:
+        """MTP catch-up over this step's accepted rows, then draft steps for requests that will decode. True
+        when the MTP layer ran."""
         entries, rows, want, step_rows = [], [], [], []
         for ci, c in enumerate(sched.chunks):
             seq, v = c.seq, valid_rows[ci]
@@ -601,7 +606,7 @@ class LLMEngine:
                     seq.mtp_backlog = MTPBacklog(lo, [rows[i].clone()])
             entries, rows, want = [entries[i] for i in keep], [rows[i] for i in keep], [want[i] for i in keep]
         if not entries:
-            return
+            return False
         shared = {} if self.model_config.text.index_share_for_mtp_iteration else None
         logits, h = self.runner.mtp_forward(entries, torch.cat(rows), want, shared)
         drafting, last_rows, offset = [], [], 0
@@ -612,7 +617,7 @@ class LLMEngine:
                 drafting.append(seq)
                 last_rows.append(offset - 1)
         if not drafting:
-            return
+            return True
         hid = h[torch.tensor(last_rows, device=h.device)]
         slots = [s.state_slot for s in drafting]
         snapshot = self.runner.snapshot_mtp_tails(slots)
@@ -629,6 +634,7 @@ class LLMEngine:
                 self._draft_from(s, logits[r])
                 hid[i] = h[r]
         self.runner.restore_mtp_tails(slots, snapshot)
+        return True
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[dict | None],
                        now: float) -> RequestOutput:

@@ -226,10 +226,11 @@ class BatchedSpeculation:
         return emitted, accepted, lps
 
     # ------------------------------------------------------------------ MTP: catch-up and drafts
-    def propose(self, live: list[tuple[int, Sequence, int]], res: VerifyResult, ensure_blocks) -> None:
+    def propose(self, live: list[tuple[int, Sequence, int]], res: VerifyResult, ensure_blocks) -> bool:
         """``live``: ``(chunk index, request, drafts wanted next step)`` of every request still running.
         Catches the MTP layer up on each one's accepted rows (and backlog) and sets ``draft_tokens`` /
-        ``draft_probs``; when nobody drafts, the rows go to the backlogs instead."""
+        ``draft_probs``; when nobody drafts, the rows go to the backlogs instead. True when the MTP layer
+        ran (a drafting step, or a full backlog drained)."""
         t = res.rows_per_seq
         rows = [(seq, res.first_positions[i], res.hidden[i * t: i * t + res.accepted[i] + 1], want)
                 for i, seq, want in live]
@@ -247,7 +248,7 @@ class BatchedSpeculation:
                     seq.mtp_backlog = None
             if drain:
                 self._catch_up(drain, drafting=False)
-            return
+            return bool(drain)
         entries = []   # (seq, first position, hidden rows, drafts wanted)
         for seq, first, rows_h, want in rows:
             if seq.mtp_backlog is not None:
@@ -256,6 +257,7 @@ class BatchedSpeculation:
             entries.append((seq, first, rows_h, want))
         logits, hid, scores = self._catch_up(entries, drafting=True)
         self._draft(entries, logits, hid, scores, ensure_blocks)
+        return True
 
     def _catch_up(self, entries, drafting: bool):
         """MTP rows for every entry's pending positions; returns (drafting) the last row's logits, recycled

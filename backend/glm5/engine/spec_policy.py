@@ -178,9 +178,12 @@ class SpecCostModel:
         measured: dict[int, list[tuple[int, float]]] = {}
         for r in rows:
             try:
-                measured.setdefault(int(r["k"]), []).append((int(r["batch"]), float(r["round_s"])))
+                batch, k, secs = int(r["batch"]), int(r["k"]), float(r["round_s"])
             except (KeyError, TypeError, ValueError) as e:
                 raise ValueError(f"{path}: bad round entry {r!r}: needs integer batch, k and a round_s") from e
+            if not secs > 0 or batch < 1 or k < 0:
+                raise ValueError(f"{path}: bad round entry {r!r}: round_s must be > 0 seconds, batch >= 1, k >= 0")
+            measured.setdefault(k, []).append((batch, secs))
         return cls(cfg, {k: sorted(v) for k, v in measured.items()}, **kw)
 
 
@@ -222,10 +225,16 @@ class AdaptiveK:
 
     While speculation is off, the acceptance estimate goes stale, so the policy now and then *probes*: one
     step drafts one token. A probe is not free - it catches the MTP layer up on the rows that waited while
-    it was off, then verifies two rows per request - so probes draw on an exploration budget: their cost
-    beyond plain steps (measured from the engine's step times, :meth:`observe_time`; before the first one,
-    ``2 x`` a ``k = 1`` round of the cost model) stays within ``explore_fraction`` of the elapsed step time.
-    No probe runs where no acceptance could pay (:meth:`can_pay`) or before ``probe_every`` steps at zero."""
+    it was off, then verifies two rows per request - so probes are paid from a credit (a token bucket): each
+    decode step at ``k = 0`` adds ``explore_fraction`` of its wall time (:meth:`observe_time`, from the
+    engine), up to two probes' worth; a probe runs when the credit covers its expected cost and then takes off
+    what it measured beyond plain steps (clipped to 8 ``k = 1`` rounds of the cost model: one compilation stall
+    must not stop probing for hours). The expected cost is that excess in ``k = 1`` rounds (smoothed), scaled
+    to the batch size; before the first probe, 2 rounds. No probe runs where no acceptance
+    could pay (:meth:`can_pay`), within ``probe_every`` steps of the last one, or on a step the engine does
+    not time (``may_probe``: a prefill step)."""
+
+    MAX_COST_ROUNDS = 8.0
 
     def __init__(self, k_max: int, cost: SpecCostModel, probe_every: int = 16,
                  tracker: AcceptanceTracker | None = None, explore_fraction: float = 0.02):
@@ -233,10 +242,13 @@ class AdaptiveK:
         self.explore_fraction = explore_fraction
         self.tracker = tracker or AcceptanceTracker(k_max)
         self._steps_at_zero = 0
-        self.elapsed_s = 0.0        # step time observed
+        self.elapsed_s = 0.0        # decode step time observed while speculation was off
         self.probe_spent_s = 0.0    # probes' time beyond what plain steps would have taken
         self.probes = 0
-        self._probe_cost_s: float | None = None   # the last probe's measured excess
+        self.credit_s = 0.0
+        self._off = True                           # the last choice had k = 0 on the merits (probes included)
+        self._cost_rounds = 2.0                    # a probe's excess in k = 1 rounds (smoothed)
+        self._probe_batch = 0
         self._probe_steps = 0                      # steps of the running probe still to observe
         self._probe_acc = 0.0
         self._plain_ratio = 1.0                    # measured plain step / the cost model's plain round
@@ -255,29 +267,27 @@ class AdaptiveK:
         return any((k + 1) / self.cost.round_s(batch, k) > 1.0 / plain for k in range(1, self.k_max + 1))
 
     def probe_cost_s(self, batch: int) -> float:
-        """What the next probe is expected to cost beyond plain steps."""
-        if self._probe_cost_s is not None:
-            return self._probe_cost_s
-        return 2.0 * self.cost.round_s(batch, 1)
+        """What the next probe at ``batch`` requests is expected to cost beyond plain steps."""
+        return self._cost_rounds * self.cost.round_s(batch, 1)
 
     def _may_probe(self, batch: int) -> bool:
         if not self.probe_every or self._steps_at_zero < self.probe_every or self._probe_steps:
             return False
-        budget = self.explore_fraction * self.elapsed_s
-        return self.probe_spent_s + self.probe_cost_s(batch) <= budget and self.can_pay(batch)
+        return self.credit_s >= self.probe_cost_s(batch) and self.can_pay(batch)
 
-    def choose(self, batch: int) -> int:
+    def choose(self, batch: int, may_probe: bool = True) -> int:
         """The next step's k (class docstring: the probes while it is 0)."""
         if batch <= 0:
             return 0
         k = self.best(batch)
+        self._off = k == 0
         if k > 0:
             self._steps_at_zero = 0
             return k
         self._steps_at_zero += 1
-        if self._may_probe(batch):
+        if may_probe and self._may_probe(batch):
             self._steps_at_zero = 0
-            self._probe_steps, self._probe_acc = 2, 0.0   # this step's catch-up + drafts, the next one's verify
+            self._probe_steps, self._probe_acc, self._probe_batch = 2, 0.0, batch  # catch-up + drafts, verify
             self.probes += 1
             return 1
         return 0
@@ -286,21 +296,26 @@ class AdaptiveK:
         self.tracker.observe_step(results)
 
     def observe_time(self, seconds: float, batch: int, plain: bool) -> None:
-        """One engine step's wall time at ``batch`` requests, after the step chose the next ``k``. ``plain``:
-        a decode step that verified and drafted nothing (it calibrates what a plain step costs here)."""
+        """One decode step's wall time at ``batch`` requests, after the step chose the next ``k``. ``plain``:
+        it verified and drafted nothing and ran no MTP pass (it calibrates what a plain step costs here)."""
         if batch <= 0:
             return
-        self.elapsed_s += seconds
         expected_plain = self._plain_ratio * self.cost.round_s(batch, 0)
         if self._probe_steps:
             self._probe_acc += max(0.0, seconds - expected_plain)
             self._probe_steps -= 1
             if not self._probe_steps:
-                self._probe_cost_s = self._probe_acc
                 self.probe_spent_s += self._probe_acc
+                round1 = self.cost.round_s(self._probe_batch, 1)
+                rounds = min(self._probe_acc / round1, self.MAX_COST_ROUNDS)   # a stall is not the probe's
+                self.credit_s -= rounds * round1
+                self._cost_rounds = 0.5 * self._cost_rounds + 0.5 * rounds if self.probes > 1 else rounds
         elif plain:
             ratio = seconds / self.cost.round_s(batch, 0)
             self._plain_ratio = 0.9 * self._plain_ratio + 0.1 * ratio
+        if self._off:
+            self.elapsed_s += seconds
+            self.credit_s = min(self.credit_s + self.explore_fraction * seconds, 2.0 * self.probe_cost_s(batch))
 
 
 class FixedK:
@@ -310,7 +325,7 @@ class FixedK:
         self.k_max = k
         self.tracker = AcceptanceTracker(max(k, 1))
 
-    def choose(self, batch: int) -> int:
+    def choose(self, batch: int, may_probe: bool = True) -> int:
         return self.k_max
 
     def observe_step(self, results: list[tuple[int, int]]) -> None:
