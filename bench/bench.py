@@ -486,7 +486,7 @@ def run_distributed(res: dict, batches, ctxs, weight_dtype: str, log) -> dict:
         if p is not None and "step_s" in r:
             r["vs_plain"] = r["step_s"] / p["step_s"]
             if r.get("collectives_per_step") and "message_s" in r:
-                # besides the step message: one control broadcast is counted as a collective too
+                # collectives_per_step counts the model's collectives (an eager forward), not the step message
                 n = r["collectives_per_step"]
                 r["us_per_collective"] = (r["step_s"] - p["step_s"] - r["message_s"]) / n * 1e6
     pre = {r["tokens"]: r for r in res.get("prefill", []) if "time_s" in r and r.get("weight_dtype", weight_dtype) ==

@@ -66,7 +66,7 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK))
         wf = F.pad(wf, (0, pk, 0, pn))
     tiles = wf.reshape(*lead, (n + pn) // b0, b0, (k + pk) // b1, b1)
     amax = tiles.abs().amax(dim=(-3, -1)).clamp_min(MIN_AMAX)           # [..., nb, kb]
-    scale = amax / FP8_MAX
+    scale = amax / torch.full_like(amax, FP8_MAX)   # IEEE division on every device (see the activation one)
     q = (tiles / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     q = q.reshape(*lead, n + pn, k + pk)[..., :n, :k].contiguous()
     return q, scale.contiguous()
