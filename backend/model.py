@@ -335,9 +335,16 @@ class TritonPythonModel:
 
     # ------------------------------------------------------------------ lifecycle
     def initialize(self, args: dict[str, str]) -> None:
+        config = json.loads(args["model_config"])
+        _extend_sys_path(config.get("parameters", {}).get("python_path", {}).get("string_value"))
+        from glm5.serving.stub_logging import stacks_if_slow
+
+        with stacks_if_slow():  # a load that never finishes leaves its stacks in the server log
+            self._initialize(args)
+
+    def _initialize(self, args: dict[str, str]) -> None:
         self.model_config = json.loads(args["model_config"])
         params = {k: v.get("string_value", "") for k, v in self.model_config.get("parameters", {}).items()}
-        _extend_sys_path(params.get("python_path"))
         if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
             raise pb_utils.TritonModelException(
                 "the glm5 model must be decoupled: set model_transaction_policy { decoupled: true }")

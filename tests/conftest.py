@@ -16,6 +16,9 @@ from pathlib import Path
 # Tiny models on a 2-core CI box: torch's OpenMP threads spin-wait, and with tritonserver stubs and
 # CLI subprocesses running beside the test process, one thread each is several times faster.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# A tritonserver a test starts inherits this: a model whose initialize hangs writes its stacks to the server
+# log (glm5.serving.stub_logging.stacks_if_slow) before the test's 240 s readiness wait gives up.
+os.environ.setdefault("GLM5_INIT_STACK_DUMP_S", "150")
 sys.path.insert(0, str(Path(__file__).parent))  # tests import their helpers (oracle.py) by name
 
 import pytest

@@ -38,6 +38,12 @@ class TritonPythonModel:
         cfg = json.loads(args["model_config"])
         params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
         _extend_sys_path(params.get("python_path"))
+        from glm5.serving.stub_logging import stacks_if_slow
+
+        with stacks_if_slow():  # a load that never finishes leaves its stacks in the server log
+            self._initialize(params)
+
+    def _initialize(self, params: dict[str, str]) -> None:
         from glm5.multimodal import MediaCaps, MediaError, MultiModalProcessor
         from glm5.serving import request as rq
 
