@@ -60,6 +60,9 @@ GRAPH_MAX_M = 256
 #: GEMV tile candidates besides the default: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages).
 GEMV_CANDIDATES = [(16, 256, 1, 4, 4), (32, 256, 1, 4, 4), (64, 128, 1, 4, 4), (32, 256, 2, 4, 4),
                    (16, 256, 4, 4, 4), (64, 256, 1, 8, 3), (16, 512, 1, 4, 3), (32, 512, 2, 8, 3)]
+#: FMA GEMV candidates at M <= 4 (BLOCK_M = M): (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages).
+FMA_CANDIDATES = [(16, 128, 1, 4, 3), (32, 128, 1, 4, 3), (16, 256, 1, 4, 3), (8, 256, 1, 4, 3), (16, 128, 2, 4, 3),
+                  (32, 256, 2, 8, 3), (64, 128, 1, 8, 3), (16, 512, 1, 4, 2), (32, 128, 4, 4, 3)]
 W8A16_BOUND = W8A8_BOUND = 1e-2
 
 
@@ -112,6 +115,10 @@ def run_checks(log: Callable[[dict], None]) -> list[dict]:
                 x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
                 errs[m] = rel(fl.fp8_linear(x, w8, s, impl={"impl": "gemv", **fl.default_gemv_config(m, n, k)}),
                               fp8_linear_ref(x, w8, s))
+                if m <= 4:
+                    fma = {"impl": "gemv_fma", "BLOCK_M": m, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 2,
+                           "num_warps": 4, "num_stages": 3}
+                    errs[f"fma {m}"] = rel(fl.fp8_linear(x, w8, s, impl=fma), fp8_linear_ref(x, w8, s))
             return {"ok": max(errs.values()) < W8A16_BOUND, "rel_err": errs, "bound": W8A16_BOUND}
         check(f"gemv {name} {n}x{k}", gemv)
 
@@ -196,6 +203,15 @@ def time_shape(name: str, n: int, k: int, ms: list[int], deadline: float, log) -
                 label = "gemv " + "/".join(str(cfg[kk]) for kk in fl.GEMV_KEYS)
                 choices[label] = {"impl": "gemv", **cfg}
                 timed(label, lambda cfg=cfg: fl.fp8_linear(x, w8, s, impl={"impl": "gemv", **cfg}))
+        if m <= 4:
+            for bn, bk, sp, nw, st in FMA_CANDIDATES:
+                if bn > max(16, triton.next_power_of_2(n)):
+                    continue
+                cfg = {"impl": "gemv_fma", "BLOCK_M": m, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp,
+                       "num_warps": nw, "num_stages": st}
+                label = "gemv_fma " + "/".join(str(cfg[kk]) for kk in fl.GEMV_KEYS)
+                choices[label] = cfg
+                timed(label, lambda cfg=cfg: fl.fp8_linear(x, w8, s, impl=cfg))
         if m >= 16:
             if n % 128 == 0 and k % 128 == 0 and fl.scaled_mm_block_supported():
                 choices["scaled_mm"] = {"impl": "scaled_mm"}

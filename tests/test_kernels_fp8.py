@@ -54,6 +54,10 @@ INTERPRETER_CODE = textwrap.dedent("""
         for bn, bk, split in ((32, 64, 1), (16, 128, 3), (64, 32, 2)):
             cfg = {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": 4, "num_stages": 2}
             out[f"gemv m{m} n{bn} k{bk} s{split}"] = rel(fl.fp8_linear(x, wq, s, bias, impl={"impl": "gemv", **cfg}), ref)
+        for bm, bn, bk, split in ((1, 32, 64, 1), (4, 16, 128, 3), (2, 64, 32, 2), (4, 8, 256, 1)):
+            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": 4, "num_stages": 2}
+            out[f"gemv_fma m{m} m{bm} n{bn} k{bk} s{split}"] = rel(
+                fl.fp8_linear(x, wq, s, bias, impl={"impl": "gemv_fma", **cfg}), ref)
         # activation quantisation: scales exact, values exact except at the interpreter's binade-carry bug
         q8, qs = fl.per_token_group_quant_fp8(x)
         rq, rs = per_token_group_quant_fp8_ref(x)
@@ -118,6 +122,23 @@ def test_fused_moe_rejects_bad_fp8_scales():
         fused_moe(torch.randn(3, 32), w8.float(), w8.float(), w8.float(), torch.ones(3, 1), ids, 1.0, scales=(s, s, s))
 
 
+def test_an_fma_entry_of_the_table_serves_only_up_to_its_rows(monkeypatch):
+    """The measured table's nearest M wins, but a ``gemv_fma`` entry measured at M = 1 must not serve M = 8:
+    its one-row tiles would stream the weights once per row."""
+    pytest.importorskip("triton")
+    from glm5_kernels import fp8_linear as fl
+    fma = {"impl": "gemv_fma", "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 1, "num_warps": 4,
+           "num_stages": 3}
+    gemv = {"impl": "gemv", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4,
+            "num_stages": 4}
+    monkeypatch.setattr(fl, "_device_name", lambda index: "FAKE")
+    monkeypatch.setattr(fl, "load_table", lambda name: {(4096, 4096): ((1, fma), (64, gemv))})
+    cuda = torch.device("cuda", 0)
+    assert fl.select_impl(1, 4096, 4096, torch.bfloat16, cuda) == fma
+    assert fl.select_impl(8, 4096, 4096, torch.bfloat16, cuda) == gemv          # nearest is M = 1, but too few rows
+    assert fl.select_impl(1, 4096, 4096, torch.float32, cuda)["impl"] == "gemv"  # fp32 takes the default
+
+
 def test_default_choice_per_shape():
     pytest.importorskip("triton")
     from glm5_kernels import fp8_linear as fl
@@ -132,6 +153,11 @@ def test_default_choice_per_shape():
                            "num_warps": 4, "num_stages": 3})
     with pytest.raises(ValueError, match="impl must be one of"):
         fl.validate_entry({"impl": "cublas"})
+    fl.validate_entry({"impl": "gemv_fma", "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 2,
+                       "num_warps": 4, "num_stages": 3})
+    with pytest.raises(ValueError, match="SPLIT_K=0 must be a positive int"):
+        fl.validate_entry({"impl": "gemv_fma", "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 0,
+                           "num_warps": 4, "num_stages": 3})
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -166,10 +192,14 @@ def test_fp8_gemv_matches_reference_gpu(n, k):
     for m in (1, 4, 16, 64):
         x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
         ref = fp8_linear_ref(x, w8, s)
-        for cfg in (fl.default_gemv_config(m, n, k), fl.select_impl(m, n, k, torch.bfloat16, x.device)):
-            if cfg.get("impl", "gemv") != "gemv":
+        cfgs = [{"impl": "gemv", **fl.default_gemv_config(m, n, k)}, fl.select_impl(m, n, k, torch.bfloat16, x.device)]
+        if m <= 4:  # the FMA GEMV (its fp32 products only round at the output: the same bound holds)
+            cfgs += [{"impl": "gemv_fma", "BLOCK_M": m, "BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": sp, "num_warps": 4,
+                      "num_stages": 3} for bn, sp in ((16, 1), (32, 2))]
+        for cfg in cfgs:
+            if cfg["impl"] not in ("gemv", "gemv_fma"):
                 continue
-            got = fl.fp8_linear(x, w8, s, impl={"impl": "gemv", **{kk: v for kk, v in cfg.items() if kk != "impl"}})
+            got = fl.fp8_linear(x, w8, s, impl=cfg)
             assert got.dtype == torch.bfloat16 and _rel(got, ref) < W8A16_BOUND, (m, cfg, _rel(got, ref))
 
 

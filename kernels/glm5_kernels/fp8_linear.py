@@ -1,7 +1,7 @@
 """Block-scaled fp8 linears on the GPU: an fp8 GEMV / small-M GEMM, activation quantisation, a w8a8 GEMM.
 
 Weights are ``float8_e4m3fn [N, K]`` with fp32 scales per 128 x 128 tile (:mod:`glm5_kernels.fp8_ref` defines
-the format and the references). Three ways to multiply, chosen per shape (:func:`select_impl`):
+the format and the references). Four ways to multiply, chosen per shape (:func:`select_impl`):
 
 * ``gemv`` - :func:`fp8_gemv` (W8A16): the activation stays in its dtype; each program streams a
   ``[BLOCK_N, K]`` strip of fp8 weights, folds the weight scales into the activation tile
@@ -10,6 +10,10 @@ the format and the references). Three ways to multiply, chosen per shape (:func:
   Decode reads one byte per weight instead of two; ``SPLIT_K`` > 1 splits K over programs (fp32 partial
   sums, added in a second step) when there are too few N strips to keep every SM streaming. A head grid
   dimension serves MLA's per-head ``kv_b_proj`` views (:func:`fp8_head_linear`).
+* ``gemv_fma`` - the same W8A16 product for a few rows (decode at batch 1-4) without ``tl.dot``: each e4m3
+  tile is widened to fp32 in registers and multiplied into fp32 accumulators on the CUDA cores (no 16-row
+  MMA padding, no trip of the widened tile through shared memory; same ``SPLIT_K``). Chosen only where the
+  measured table says it is faster.
 * ``scaled_mm`` - ``torch._scaled_mm`` with DeepSeek-style block scaling (w8a8): the activation is quantised
   per token and 128-channel group by :func:`per_token_group_quant_fp8` (scales written column-major, M padded
   to a multiple of 4, the layout cuBLAS wants); compute-efficient at large M.
@@ -38,7 +42,7 @@ from glm5_kernels.fp8_ref import BLOCK, FP8_DTYPE, FP8_MAX, MIN_AMAX
 logger = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-IMPLS = ("gemv", "scaled_mm", "w8a8")
+IMPLS = ("gemv", "gemv_fma", "scaled_mm", "w8a8")
 GEMV_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 W8A8_KEYS = ("BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages")
 #: Largest M the default sends to the GEMV kernel: beyond it the w8a8 GEMMs (quantised activations, fp8
@@ -98,6 +102,49 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr,
         if pid_k == 0:
             acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + pid_k * stride_yk + g * stride_yg + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr, M, N, K,
+                         stride_xm, stride_wn, stride_sn, stride_yk, stride_ym,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SPLIT_K: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
+    """y[m, n] (+ split k's partial) = sum_k x[m, k] * s[n // SB, k // SB] * w[n, k] (+ bias[n]), in fp32 FMAs
+    on the CUDA cores: the e4m3 tile is widened to fp32 in registers and never goes through tl.dot.
+    Grid (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)); BLOCK_N divides SB (one scale row per strip)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_blk = (pid_n * BLOCK_N) // SB
+    # rows past N wrap onto valid weight rows (their results are never stored): no mask on the weight rows
+    w_base = w_ptr + (offs_n % N).to(tl.int64)[:, None] * stride_wn
+    x_base = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    s_base = s_ptr + n_blk * stride_sn
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, k_tiles)):
+        kk = kt * BLOCK_K + offs_k
+        if EVEN_K:
+            w = tl.load(w_base + kk[None, :]).to(tl.float32)
+            x = tl.load(x_base + kk[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
+            sc = tl.load(s_base + kk // SB)
+        else:
+            k_ok = kk < K
+            w = tl.load(w_base + kk[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
+            x = tl.load(x_base + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            sc = tl.load(s_base + kk // SB, mask=k_ok, other=0.0)
+        xs = x * sc[None, :]
+        acc += tl.sum(w[None, :, :] * xs[:, None, :], axis=2)
+    if HAS_BIAS:
+        if pid_k == 0:
+            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + pid_k * stride_yk + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n < N)[None, :])
 
 
@@ -209,12 +256,12 @@ def validate_entry(entry: dict[str, Any]) -> None:
     impl = entry.get("impl")
     if impl not in IMPLS:
         raise ValueError(f"fp8_linear table entry {entry}: impl must be one of {IMPLS}")
-    keys = GEMV_KEYS if impl == "gemv" else W8A8_KEYS if impl == "w8a8" else ()
+    keys = GEMV_KEYS if impl in ("gemv", "gemv_fma") else W8A8_KEYS if impl == "w8a8" else ()
     for key in keys:
         v = entry.get(key)
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"fp8_linear table entry {entry}: {key}={v!r} must be a positive int")
-    if impl in ("gemv", "w8a8") and (entry["BLOCK_N"] > BLOCK or BLOCK % entry["BLOCK_N"]):
+    if impl in ("gemv", "gemv_fma", "w8a8") and (entry["BLOCK_N"] > BLOCK or BLOCK % entry["BLOCK_N"]):
         raise ValueError(f"fp8_linear table entry {entry}: BLOCK_N must divide {BLOCK} (one scale row per strip)")
 
 
@@ -244,6 +291,8 @@ def select_impl(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
     """The table's entry for ``(N, K)`` at the nearest M (ties: the smaller), else :func:`default_impl`.
     A ``scaled_mm`` entry this torch cannot run, or fp32 activations, fall back to the default."""
     rows = load_table(_device_name(device.index)).get((n, k)) if device.type == "cuda" else None
+    # an FMA GEMV entry serves at most its BLOCK_M rows: more would stream the weights once per row tile
+    rows = [r for r in rows or () if r[1]["impl"] != "gemv_fma" or m <= r[1]["BLOCK_M"]]
     if rows and dtype != torch.float32:
         _, entry = min(rows, key=lambda r: (abs(r[0] - m), r[0]))
         if entry["impl"] != "scaled_mm" or scaled_mm_block_supported():
@@ -278,6 +327,26 @@ def _gemv(x3: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor
         y.stride(-3), y.stride(-2),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SB=BLOCK, HAS_BIAS=bias is not None,
         EVEN_K=k % bk == 0, IEEE=x3.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return y if split == 1 else y.sum(0).to(out_dtype)
+
+
+def _gemv_fma(x2: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None, cfg: dict[str, Any],
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """x2 [M, K], w [N, K] fp8, s [nb, kb] -> [M, N] (:func:`_fp8_gemv_fma_kernel`)."""
+    m, k = x2.shape
+    n = w.shape[0]
+    bm, bn = triton.next_power_of_2(cfg["BLOCK_M"]), cfg["BLOCK_N"]
+    bk = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(k)))
+    split = max(1, min(cfg["SPLIT_K"], triton.cdiv(k, bk)))
+    if w.stride(-1) != 1 or x2.stride(-1) != 1 or s.stride(-1) != 1:
+        raise ValueError("fp8 gemv_fma needs unit stride along K for x, the weight and its scales")
+    y = torch.empty(m, n, device=x2.device, dtype=out_dtype) if split == 1 else \
+        torch.empty(split, m, n, device=x2.device, dtype=torch.float32)
+    grid = (triton.cdiv(n, bn), split, triton.cdiv(m, bm))
+    _fp8_gemv_fma_kernel[grid](
+        x2, w, s, y, bias if bias is not None else s, m, n, k, x2.stride(0), w.stride(0), s.stride(0),
+        0 if split == 1 else y.stride(0), y.stride(-2), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SB=BLOCK,
+        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y if split == 1 else y.sum(0).to(out_dtype)
 
 
@@ -391,6 +460,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torc
         y = x2.new_empty(0, n)
     elif kind == "gemv":
         y = _gemv(x2.unsqueeze(1), w.unsqueeze(0), scale.unsqueeze(0), bias, choice, x.dtype).squeeze(1)
+    elif kind == "gemv_fma":
+        y = _gemv_fma(x2, w, scale, bias, choice, x.dtype)
     elif kind == "scaled_mm":
         y = scaled_mm_linear(x2, w, scale, bias)
     else:
