@@ -85,8 +85,8 @@ class BatchedSpeculation:
         text = runner.cfg.text
         dev, dtype = runner.device, runner.dtype
         self.max_requests = max_requests
-        # rows: verification needs k+1 per request, a catch-up up to a full backlog plus the step's rows
-        self.stager = DecodeStager(self.cache, max_requests * (MAX_BACKLOG + k_max + 1), runner.stager.max_blocks, dev)
+        # rows per pass: k+1 per request to verify or catch up, DRAIN_ROWS per request to drain a backlog
+        self.stager = DecodeStager(self.cache, max_requests * max(DRAIN_ROWS, k_max + 1), runner.stager.max_blocks, dev)
         self.buffers = VerifyBuffers.allocate(text, max_requests, k_max + 1, dev, dtype)
         self.planner = DecodeAttentionPlanner(text, self.stager.max_batch, dtype, dev)
         self.fwd: SpecForwards = SpecForwards(self.model, self.mtp, self.cache, self.stager, self.buffers,
