@@ -54,6 +54,30 @@ GEMV_MAX_M = 64
 # kernels
 # ----------------------------------------------------------------------------------------------
 
+@triton.jit
+def _k_tile(x_base, w_base, s_base, kk, m_ok, K, SB: tl.constexpr, EVEN_K: tl.constexpr, W_ROWS_K: tl.constexpr):
+    """One K tile of a GEMV strip: the activation rows ``[BLOCK_M, BLOCK_K]``, the e4m3 weight tile
+    (``[BLOCK_K, BLOCK_N]`` when ``W_ROWS_K``, the tl.dot operand layout, else ``[BLOCK_N, BLOCK_K]``) and the
+    strip's weight scale of each column ``[BLOCK_K]``; zeros past K."""
+    if W_ROWS_K:
+        w_ptrs = w_base + kk[:, None]
+    else:
+        w_ptrs = w_base + kk[None, :]
+    if EVEN_K:
+        a = tl.load(x_base + kk[None, :], mask=m_ok[:, None], other=0.0)
+        b = tl.load(w_ptrs)
+        sc = tl.load(s_base + kk // SB)
+    else:
+        k_ok = kk < K
+        a = tl.load(x_base + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if W_ROWS_K:
+            b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        else:
+            b = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+        sc = tl.load(s_base + kk // SB, mask=k_ok, other=0.0)
+    return a, b, sc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr,
                      M, N, K,
@@ -83,16 +107,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr,
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kt in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, k_tiles)):
-        kk = kt * BLOCK_K + offs_k
-        if EVEN_K:
-            a = tl.load(x_base + kk[None, :], mask=m_ok[:, None], other=0.0)
-            b = tl.load(w_base + kk[:, None])
-            sc = tl.load(s_base + kk // SB)
-        else:
-            k_ok = kk < K
-            a = tl.load(x_base + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_base + kk[:, None], mask=k_ok[:, None], other=0.0)
-            sc = tl.load(s_base + kk // SB, mask=k_ok, other=0.0)
+        a, b, sc = _k_tile(x_base, w_base, s_base, kt * BLOCK_K + offs_k, m_ok, K, SB, EVEN_K, True)
         a = (a.to(tl.float32) * sc[None, :]).to(x_ptr.dtype.element_ty)
         if IEEE:
             acc = tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
@@ -129,18 +144,9 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr, M, N, K,
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kt in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, k_tiles)):
-        kk = kt * BLOCK_K + offs_k
-        if EVEN_K:
-            w = tl.load(w_base + kk[None, :]).to(tl.float32)
-            x = tl.load(x_base + kk[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
-            sc = tl.load(s_base + kk // SB)
-        else:
-            k_ok = kk < K
-            w = tl.load(w_base + kk[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
-            x = tl.load(x_base + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            sc = tl.load(s_base + kk // SB, mask=k_ok, other=0.0)
-        xs = x * sc[None, :]
-        acc += tl.sum(w[None, :, :] * xs[:, None, :], axis=2)
+        x, w, sc = _k_tile(x_base, w_base, s_base, kt * BLOCK_K + offs_k, m_ok, K, SB, EVEN_K, False)
+        xs = x.to(tl.float32) * sc[None, :]
+        acc += tl.sum(w.to(tl.float32)[None, :, :] * xs[:, None, :], axis=2)
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
