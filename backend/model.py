@@ -340,10 +340,10 @@ class TritonPythonModel:
         from glm5.serving.stub_logging import stacks_if_slow
 
         with stacks_if_slow():  # a load that never finishes leaves its stacks in the server log
-            self._initialize(args)
+            self._initialize(args, config)
 
-    def _initialize(self, args: dict[str, str]) -> None:
-        self.model_config = json.loads(args["model_config"])
+    def _initialize(self, args: dict[str, str], config: dict) -> None:
+        self.model_config = config
         params = {k: v.get("string_value", "") for k, v in self.model_config.get("parameters", {}).items()}
         if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
             raise pb_utils.TritonModelException(

@@ -191,27 +191,21 @@ def time_shape(name: str, n: int, k: int, ms: list[int], deadline: float, log) -
 
         timed("bf16", lambda: x @ wb.t())
         choices: dict[str, dict] = {}
+        cfgs = []
         if m <= 256:
-            cfgs = [fl.default_gemv_config(m, n, k)] + [
-                {"BLOCK_M": fl.default_gemv_config(m, n, k)["BLOCK_M"], "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp,
+            default = fl.default_gemv_config(m, n, k)
+            cfgs += [{"impl": "gemv", **default}] + [
+                {"impl": "gemv", "BLOCK_M": default["BLOCK_M"], "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp,
                  "num_warps": nw, "num_stages": st} for bn, bk, sp, nw, st in GEMV_CANDIDATES]
-            seen = []
-            for cfg in cfgs:
-                if cfg in seen or cfg["BLOCK_N"] > max(16, triton.next_power_of_2(n)):
-                    continue
-                seen.append(cfg)
-                label = "gemv " + "/".join(str(cfg[kk]) for kk in fl.GEMV_KEYS)
-                choices[label] = {"impl": "gemv", **cfg}
-                timed(label, lambda cfg=cfg: fl.fp8_linear(x, w8, s, impl={"impl": "gemv", **cfg}))
         if m <= 4:
-            for bn, bk, sp, nw, st in FMA_CANDIDATES:
-                if bn > max(16, triton.next_power_of_2(n)):
-                    continue
-                cfg = {"impl": "gemv_fma", "BLOCK_M": m, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp,
-                       "num_warps": nw, "num_stages": st}
-                label = "gemv_fma " + "/".join(str(cfg[kk]) for kk in fl.GEMV_KEYS)
-                choices[label] = cfg
-                timed(label, lambda cfg=cfg: fl.fp8_linear(x, w8, s, impl=cfg))
+            cfgs += [{"impl": "gemv_fma", "BLOCK_M": m, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "num_warps": nw,
+                      "num_stages": st} for bn, bk, sp, nw, st in FMA_CANDIDATES]
+        for cfg in cfgs:
+            label = cfg["impl"] + " " + "/".join(str(cfg[kk]) for kk in fl.GEMV_KEYS)
+            if label in choices or cfg["BLOCK_N"] > max(16, triton.next_power_of_2(n)):
+                continue
+            choices[label] = cfg
+            timed(label, lambda cfg=cfg: fl.fp8_linear(x, w8, s, impl=cfg))
         if m >= 16:
             if n % 128 == 0 and k % 128 == 0 and fl.scaled_mm_block_supported():
                 choices["scaled_mm"] = {"impl": "scaled_mm"}

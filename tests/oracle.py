@@ -62,3 +62,22 @@ def engine_greedy(eng: LLMEngine, prompts: list[list[int] | PromptInput], n: int
 def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (length,), generator=g).tolist()
+
+
+class ScriptedK:
+    """A speculation policy that drafts ``schedule[i % len(schedule)]`` at its i-th choice (steps with 0 leave an
+    MTP backlog); records the steps the engine timed as ``(batch, plain)``."""
+
+    def __init__(self, schedule: list[int]):
+        self.schedule, self.i = schedule, 0
+        self.timed: list[tuple[int, bool]] = []
+
+    def choose(self, batch: int, may_probe: bool = True) -> int:
+        self.i += 1
+        return self.schedule[self.i % len(self.schedule)]
+
+    def observe_step(self, results) -> None:
+        pass
+
+    def observe_time(self, seconds: float, batch: int, plain: bool) -> None:
+        self.timed.append((batch, plain))

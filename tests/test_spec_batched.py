@@ -18,7 +18,7 @@ from glm5.config import ModelConfig
 from glm5.engine.spec_batched import BatchedSpeculation
 from glm5.layers.speculative import kda_state_bytes, per_row_state_bytes, verify_buffer_bytes
 from glm5.sampling_params import SamplingParams
-from oracle import engine, greedy, hf_greedy, make_pair, random_prompt
+from oracle import ScriptedK, engine, greedy, hf_greedy, make_pair, random_prompt
 
 VOCAB = 600
 
@@ -241,26 +241,9 @@ def test_graph_shaped_replay_equals_eager_on_cpu(pair, monkeypatch):
     assert results[True] == results[False] and results[True][0] == ref
 
 
-class _OffThenOn:
-    """Drafts nothing for ``off`` steps, then ``k`` once, repeatedly: backlogs longer than one drain pass."""
-
-    def __init__(self, off: int, k: int):
-        self.off, self.k, self.i = off, k, 0
-
-    def choose(self, batch, may_probe=True):
-        self.i += 1
-        return self.k if self.i % (self.off + 1) == 0 else 0
-
-    def observe_step(self, results):
-        pass
-
-    def observe_time(self, seconds, batch, plain):
-        pass
-
-
 def test_backlog_drains_replay_their_graphs_and_draft_as_eager_on_cpu(pair, monkeypatch):
-    """36 steps without drafts, then k = 3, twice: the held-back rows go through two 16-row drain passes
-    before the drafting catch-up; graph-simulated and eager engines give the same tokens, drafts and
+    """k = 0 at 36 of every 37 choices, k = 3 at the 37th, twice: the held-back rows go through 16-row drain
+    passes before the drafting catch-up; graph-simulated and eager engines give the same tokens, drafts and
     acceptance, the drain graphs are replayed, and the tokens are k = 0's."""
     from glm5.engine.spec_batched import DRAIN_ROWS, MAX_BACKLOG
 
@@ -276,7 +259,7 @@ def test_backlog_drains_replay_their_graphs_and_draft_as_eager_on_cpu(pair, monk
     runs = {}
     for graphs in (False, True):
         eng = engine(ckpt, decode_path="batched", num_speculative_tokens=3, max_num_seqs=4)
-        eng.k_policy = _OffThenOn(36, 3)
+        eng.k_policy = ScriptedK([0] * 36 + [3])
         if graphs:
             eng.spec.capture_cuda_graphs(4)
         drafts: list[list[int]] = []

@@ -10,7 +10,7 @@ import pytest
 from glm5.config import ModelConfig
 from glm5.engine.spec_policy import (AcceptanceTracker, AdaptiveK, SpecCostModel, WeightBytes, expected_tokens,
                                      round_bytes, touched_experts)
-from oracle import engine, greedy, random_prompt
+from oracle import ScriptedK, engine, greedy, random_prompt
 
 
 @pytest.fixture(scope="module")
@@ -119,24 +119,6 @@ def test_cost_table_errors_name_the_fix(tmp_path, real_cfg):
         SpecCostModel.load(bad, real_cfg)
 
 
-class _Scripted:
-    """A policy that drafts 0 or k by a fixed schedule (steps without drafts leave an MTP backlog)."""
-
-    def __init__(self, schedule):
-        self.schedule, self.i = schedule, 0
-        self.timed: list[tuple[int, bool]] = []
-
-    def choose(self, batch, may_probe=True):
-        self.i += 1
-        return self.schedule[self.i % len(self.schedule)]
-
-    def observe_step(self, results):
-        pass
-
-    def observe_time(self, seconds, batch, plain):
-        self.timed.append((batch, plain))
-
-
 @pytest.mark.parametrize("schedule,drained", [([0, 0, 3, 0, 0, 0, 3], False), ([0] * 11 + [3], True)])
 def test_steps_without_drafts_skip_the_mtp_layer_and_catch_up_later(tiny_checkpoint_dir, monkeypatch, schedule,
                                                                      drained):
@@ -185,7 +167,7 @@ def test_steps_without_drafts_skip_the_mtp_layer_and_catch_up_later(tiny_checkpo
         monkeypatch.undo()
         return out, drafts, step.mtp_runs, eng, drains
 
-    out_s, drafts_s, runs_s, eng_s, drains_s = run(_Scripted(schedule))
+    out_s, drafts_s, runs_s, eng_s, drains_s = run(ScriptedK(schedule))
     out_f, drafts_f, _, _, drains_f = run(None)
     assert out_s == ref and out_f == ref
     assert 0 in runs_s[1:]                                   # some decode steps ran no MTP pass at all

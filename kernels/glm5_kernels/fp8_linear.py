@@ -310,26 +310,31 @@ def select_impl(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
 # launchers
 # ----------------------------------------------------------------------------------------------
 
+def _k_split(cfg: dict[str, Any], out_shape: tuple[int, ...], out_dtype: torch.dtype, x: torch.Tensor,
+             w: torch.Tensor, s: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """A GEMV launch's ``BLOCK_K`` (at most K), its K split (at most one per K tile) and its output: ``out_shape``
+    in ``out_dtype``, or with a split the fp32 partial sums ``[split, *out_shape]`` the caller adds up."""
+    if w.stride(-1) != 1 or x.stride(-1) != 1 or s.stride(-1) != 1:
+        raise ValueError("the fp8 GEMVs need unit stride along K for x, the weight and its scales")
+    k = x.shape[-1]
+    bk = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(k)))
+    split = max(1, min(cfg["SPLIT_K"], triton.cdiv(k, bk)))
+    y = torch.empty(out_shape, device=x.device, dtype=out_dtype) if split == 1 else \
+        torch.empty((split, *out_shape), device=x.device, dtype=torch.float32)
+    return bk, split, y
+
+
 def _gemv(x3: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None, cfg: dict[str, Any],
           out_dtype: torch.dtype) -> torch.Tensor:
     """x3 [M, G, K], w [G, N, K] fp8, s [G, nb, kb] → [M, G, N]."""
     m, groups, k = x3.shape
     n = w.shape[1]
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    bk = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(k)))
-    split = max(1, min(cfg["SPLIT_K"], triton.cdiv(k, bk)))
-    if w.stride(-1) != 1 or x3.stride(-1) != 1 or s.stride(-1) != 1:
-        raise ValueError("fp8_gemv needs unit stride along K for x, the weight and its scales")
-    if split == 1:
-        y = torch.empty(m, groups, n, device=x3.device, dtype=out_dtype)
-        stride_yk = 0
-    else:
-        y = torch.empty(split, m, groups, n, device=x3.device, dtype=torch.float32)
-        stride_yk = y.stride(0)
+    bk, split, y = _k_split(cfg, (m, groups, n), out_dtype, x3, w, s)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split, groups)
     _fp8_gemv_kernel[grid](
-        x3, w, s, y if split == 1 else y, bias if bias is not None else s, m, n, k,
-        x3.stride(0), x3.stride(1), w.stride(0), w.stride(1), s.stride(0), s.stride(1), stride_yk,
+        x3, w, s, y, bias if bias is not None else s, m, n, k,
+        x3.stride(0), x3.stride(1), w.stride(0), w.stride(1), s.stride(0), s.stride(1), 0 if split == 1 else y.stride(0),
         y.stride(-3), y.stride(-2),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SB=BLOCK, HAS_BIAS=bias is not None,
         EVEN_K=k % bk == 0, IEEE=x3.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -342,12 +347,7 @@ def _gemv_fma(x2: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Te
     m, k = x2.shape
     n = w.shape[0]
     bm, bn = triton.next_power_of_2(cfg["BLOCK_M"]), cfg["BLOCK_N"]
-    bk = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(k)))
-    split = max(1, min(cfg["SPLIT_K"], triton.cdiv(k, bk)))
-    if w.stride(-1) != 1 or x2.stride(-1) != 1 or s.stride(-1) != 1:
-        raise ValueError("fp8 gemv_fma needs unit stride along K for x, the weight and its scales")
-    y = torch.empty(m, n, device=x2.device, dtype=out_dtype) if split == 1 else \
-        torch.empty(split, m, n, device=x2.device, dtype=torch.float32)
+    bk, split, y = _k_split(cfg, (m, n), out_dtype, x2, w, s)
     grid = (triton.cdiv(n, bn), split, triton.cdiv(m, bm))
     _fp8_gemv_fma_kernel[grid](
         x2, w, s, y, bias if bias is not None else s, m, n, k, x2.stride(0), w.stride(0), s.stride(0),

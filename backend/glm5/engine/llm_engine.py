@@ -348,7 +348,7 @@ class LLMEngine:
         if sched.chunks:
             t0 = time.perf_counter()
             drafts = sum(c.num_drafts for c in sched.chunks)
-            decode = all(c.num_tokens == 1 + c.num_drafts for c in sched.chunks)
+            decode = sched.decode_only
             # the policy's clock (what speculation and its probes cost) runs on decode steps only: a prefill
             # step's time (first-call compilation included) says nothing about them
             self._mtp_ran = False
@@ -431,8 +431,7 @@ class LLMEngine:
             self._speculative_step(sched, outputs)
             return
         # a probe only on a decode step: the policy times those alone (step())
-        self._k_next = self._choose_k(len(self.scheduler.running),
-                                      may_probe=all(c.num_tokens == 1 + c.num_drafts for c in sched.chunks))
+        self._k_next = self._choose_k(len(self.scheduler.running), may_probe=sched.decode_only)
         batch, model_out, sample_idx = self.runner.execute(sched)
         for ci, row, n, p0 in batch.prompt_logprob_rows:
             score_prompt_logprobs(sched.chunks[ci].seq, model_out.logits[row:row + n], p0)

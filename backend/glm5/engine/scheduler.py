@@ -48,6 +48,11 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
+    @property
+    def decode_only(self) -> bool:
+        """Every chunk is one request's next token plus its drafts (no prompt chunk)."""
+        return all(c.num_tokens == 1 + c.num_drafts for c in self.chunks)
+
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):

@@ -111,11 +111,11 @@ class BatchedSpeculation:
     # ------------------------------------------------------------------ which steps
     def accepts(self, sched: SchedulerOutput) -> bool:
         """True when every chunk is one request's next token plus its drafts (no prefill, no placeholder)."""
-        if not sched.chunks or len(sched.chunks) > self.max_requests:
+        if not sched.chunks or len(sched.chunks) > self.max_requests or not sched.decode_only:
             return False
         for c in sched.chunks:
             s = c.seq
-            if c.num_tokens != 1 + c.num_drafts or not c.samples or c.num_drafts > self.k_max:
+            if not c.samples or c.num_drafts > self.k_max:
                 return False
             lo = s.num_computed_tokens
             if s.mm is not None and (s.mm.positions is None or bool((s.mm.positions == lo).any())):
