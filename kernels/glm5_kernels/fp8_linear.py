@@ -14,6 +14,11 @@ the format and the references). Four ways to multiply, chosen per shape (:func:`
   tile is widened to fp32 in registers and multiplied into fp32 accumulators on the CUDA cores (no 16-row
   MMA padding, no trip of the widened tile through shared memory; same ``SPLIT_K``). Chosen only where the
   measured table says it is faster.
+* ``gemv_w8a8`` - the ``gemv`` kernel with the activation quantised in the kernel instead (w8a8): each
+  ``[BLOCK_M, 128]`` activation tile becomes e4m3 with one scale per row (:func:`quantize_rows`, the
+  per-token-group rule), so ``tl.dot`` multiplies the weight tile as loaded, e4m3 x e4m3 on the fp8 tensor
+  cores, and each 128-wide K step's product is scaled by ``s_x[m] · s_w`` (no widening of the weight tile, no
+  separate quantisation launch). Reference :func:`~glm5_kernels.fp8_ref.w8a8_linear_ref`.
 * ``scaled_mm`` - ``torch._scaled_mm`` with DeepSeek-style block scaling (w8a8): the activation is quantised
   per token and 128-channel group by :func:`per_token_group_quant_fp8` (scales written column-major, M padded
   to a multiple of 4, the layout cuBLAS wants); compute-efficient at large M.
@@ -42,9 +47,15 @@ from glm5_kernels.fp8_ref import BLOCK, FP8_DTYPE, FP8_MAX, MIN_AMAX
 logger = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-IMPLS = ("gemv", "gemv_fma", "scaled_mm", "w8a8")
+IMPLS = ("gemv", "gemv_fma", "gemv_w8a8", "scaled_mm", "w8a8")
+#: The GEMV implementations (tile keys GEMV_KEYS).
+GEMV_IMPLS = ("gemv", "gemv_fma", "gemv_w8a8")
 GEMV_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 W8A8_KEYS = ("BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages")
+#: ``max_num_imprecise_acc`` of the e4m3 x e4m3 dots: the H100/H200 fp8 tensor cores accumulate with ~14
+#: mantissa bits unless the compiler moves the sum into fp32 registers every this many products (Triton's
+#: sm_90 default is never). 32 = every fp8 MMA instruction's K, full fp32 accumulation.
+FP8_DOT_ACC = 32
 #: Largest M the default sends to the GEMV kernel: beyond it the w8a8 GEMMs (quantised activations, fp8
 #: tensor cores) win on the H200 measurements in the reference doc (``_scaled_mm`` 1.5-1.6x bf16 at M=4096).
 GEMV_MAX_M = 64
@@ -78,16 +89,34 @@ def _k_tile(x_base, w_base, s_base, kk, m_ok, K, SB: tl.constexpr, EVEN_K: tl.co
     return a, b, sc
 
 
+@triton.jit
+def quantize_rows(a, FP8_MAX_: tl.constexpr, MIN_AMAX_: tl.constexpr):
+    """An activation tile ``[BM, BK]`` (BK <= 128: one channel group) as e4m3 with one fp32 scale per row:
+    ``s = max(|a|) / 448`` (IEEE division, as the group quantiser), ``q = e4m3(a · (448 / max|a|))``. The
+    reciprocal is formed once per row and multiplied, not divided per element, so a code at a rounding tie may
+    differ from the reference's ``a / s`` by one step; the bounds of the w8a8 tests cover that."""
+    af = a.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(af), axis=1), MIN_AMAX_)
+    s = tl.math.div_rn(amax, FP8_MAX_)
+    inv = tl.math.div_rn(FP8_MAX_, amax)
+    q = tl.clamp(af * inv[:, None], -FP8_MAX_, FP8_MAX_)
+    return q.to(tl.float8e4nv), s
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr,
                      M, N, K,
                      stride_xm, stride_xg, stride_wg, stride_wn, stride_sg, stride_sn, stride_yk, stride_ym,
                      stride_yg,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                     SB: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+                     SB: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                     A_FP8: tl.constexpr = False, FP8_MAX_: tl.constexpr = 448.0, MIN_AMAX_: tl.constexpr = 1e-12,
+                     FP8_ACC: tl.constexpr = 32):
     """y[m, g, n] (+ split k's partial) = Σ_k x[m, g, k] · w[g, n, k] · s[g, n // SB, k // SB] (+ bias[n]).
 
-    Grid: (cdiv(M, BLOCK_M) · cdiv(N, BLOCK_N), SPLIT_K, G). BLOCK_N divides SB, so a strip has one scale row."""
+    Grid: (cdiv(M, BLOCK_M) · cdiv(N, BLOCK_N), SPLIT_K, G). BLOCK_N divides SB, so a strip has one scale row.
+    ``A_FP8`` (``gemv_w8a8``): x is quantised per row and K tile (BLOCK_K = one 128-channel group, or all of
+    a K below 128) and multiplied e4m3 x e4m3."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     g = tl.program_id(2).to(tl.int64)
@@ -108,11 +137,16 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kt in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, k_tiles)):
         a, b, sc = _k_tile(x_base, w_base, s_base, kt * BLOCK_K + offs_k, m_ok, K, SB, EVEN_K, True)
-        a = (a.to(tl.float32) * sc[None, :]).to(x_ptr.dtype.element_ty)
-        if IEEE:
-            acc = tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
+        if A_FP8:
+            a8, sa = quantize_rows(a, FP8_MAX_, MIN_AMAX_)
+            sw = tl.load(s_base + (kt * BLOCK_K) // SB)
+            acc += tl.dot(a8, b, max_num_imprecise_acc=FP8_ACC) * (sa[:, None] * sw)
         else:
-            acc = tl.dot(a, b.to(x_ptr.dtype.element_ty), acc)
+            a = (a.to(tl.float32) * sc[None, :]).to(x_ptr.dtype.element_ty)
+            if IEEE:
+                acc = tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b.to(x_ptr.dtype.element_ty), acc)
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -142,11 +176,14 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr, M, N, K,
     s_base = s_ptr + n_blk * stride_sn
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # products accumulate elementwise over the K tiles and are reduced across K once, after the loop: the
+    # loop body is loads and FMAs only (a reduction per tile costs a cross-warp exchange per tile)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for kt in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, k_tiles)):
         x, w, sc = _k_tile(x_base, w_base, s_base, kt * BLOCK_K + offs_k, m_ok, K, SB, EVEN_K, False)
         xs = x.to(tl.float32) * sc[None, :]
-        acc += tl.sum(w.to(tl.float32)[None, :, :] * xs[:, None, :], axis=2)
+        acc3 += w.to(tl.float32)[None, :, :] * xs[:, None, :]
+    acc = tl.sum(acc3, axis=2)
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -262,12 +299,12 @@ def validate_entry(entry: dict[str, Any]) -> None:
     impl = entry.get("impl")
     if impl not in IMPLS:
         raise ValueError(f"fp8_linear table entry {entry}: impl must be one of {IMPLS}")
-    keys = GEMV_KEYS if impl in ("gemv", "gemv_fma") else W8A8_KEYS if impl == "w8a8" else ()
+    keys = GEMV_KEYS if impl in GEMV_IMPLS else W8A8_KEYS if impl == "w8a8" else ()
     for key in keys:
         v = entry.get(key)
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"fp8_linear table entry {entry}: {key}={v!r} must be a positive int")
-    if impl in ("gemv", "gemv_fma", "w8a8") and (entry["BLOCK_N"] > BLOCK or BLOCK % entry["BLOCK_N"]):
+    if impl in (*GEMV_IMPLS, "w8a8") and (entry["BLOCK_N"] > BLOCK or BLOCK % entry["BLOCK_N"]):
         raise ValueError(f"fp8_linear table entry {entry}: BLOCK_N must divide {BLOCK} (one scale row per strip)")
 
 
@@ -330,6 +367,9 @@ def _gemv(x3: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor
     m, groups, k = x3.shape
     n = w.shape[1]
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    a_fp8 = cfg.get("impl") == "gemv_w8a8" and x3.dtype != torch.float32  # fp32 is never quantised
+    if a_fp8:  # one K tile = one activation group (e4m3 dots need K >= 32)
+        cfg = {**cfg, "BLOCK_K": max(32, min(BLOCK, triton.next_power_of_2(k)))}
     bk, split, y = _k_split(cfg, (m, groups, n), out_dtype, x3, w, s)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split, groups)
     _fp8_gemv_kernel[grid](
@@ -337,7 +377,8 @@ def _gemv(x3: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor
         x3.stride(0), x3.stride(1), w.stride(0), w.stride(1), s.stride(0), s.stride(1), 0 if split == 1 else y.stride(0),
         y.stride(-3), y.stride(-2),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SB=BLOCK, HAS_BIAS=bias is not None,
-        EVEN_K=k % bk == 0, IEEE=x3.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        EVEN_K=k % bk == 0, IEEE=x3.dtype == torch.float32, A_FP8=a_fp8, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX,
+        FP8_ACC=min(FP8_DOT_ACC, bk), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y if split == 1 else y.sum(0).to(out_dtype)
 
 
@@ -464,7 +505,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torc
     kind = choice["impl"]
     if m == 0:
         y = x2.new_empty(0, n)
-    elif kind == "gemv":
+    elif kind in ("gemv", "gemv_w8a8"):
         y = _gemv(x2.unsqueeze(1), w.unsqueeze(0), scale.unsqueeze(0), bias, choice, x.dtype).squeeze(1)
     elif kind == "gemv_fma":
         y = _gemv_fma(x2, w, scale, bias, choice, x.dtype)
@@ -476,7 +517,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torc
     return y.reshape(*x.shape[:-1], n)
 
 
-__all__ = ["CONFIG_DIR", "GEMV_MAX_M", "IMPLS", "default_gemv_config", "default_impl", "default_w8a8_config",
-           "fp8_gemv", "fp8_head_linear", "fp8_linear", "load_table", "per_token_group_quant_fp8",
-           "scaled_mm_block_supported", "scaled_mm_linear", "select_impl", "table_file_name", "validate_entry",
-           "w8a8_gemm"]
+__all__ = ["CONFIG_DIR", "FP8_DOT_ACC", "GEMV_IMPLS", "GEMV_MAX_M", "IMPLS", "default_gemv_config", "default_impl",
+           "default_w8a8_config", "fp8_gemv", "fp8_head_linear", "fp8_linear", "load_table",
+           "per_token_group_quant_fp8", "quantize_rows", "scaled_mm_block_supported", "scaled_mm_linear", "select_impl",
+           "table_file_name", "validate_entry", "w8a8_gemm"]

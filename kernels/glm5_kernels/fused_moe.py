@@ -31,6 +31,14 @@ so its scales are one value per 128 columns of K: they are folded into the activ
 (``a[:, k] · s[n_blk, k // 128]``) before the ``tl.dot`` on the fp8 values widened to the activation dtype.
 fp8 tables are separate files (``..._fp8w_{device}.json``).
 
+fp8 experts with the activations quantised in the kernels too (w8a8, config ``"A_FP8": 1``, what
+:func:`fused_moe` picks for bf16/fp16 activations up to :data:`W8A8_MAX_TOKENS` tokens): each gathered ``[BLOCK_M, 128]`` tile of ``x`` (first kernel) or ``h`` (second) becomes
+e4m3 with one scale per row, the per-token-group rule of the dense w8a8 paths
+(:func:`glm5_kernels.fp8_linear.quantize_rows`), and ``tl.dot`` multiplies it with the e4m3 weight tile as
+loaded; each 128-wide K step's product is scaled by ``s_x[row] · s_w``. The weight tile never widens, so
+the kernels stream fp8 weights as the bf16 kernels stream bf16. Reference: ``fused_moe_ref(...,
+quant_act=True)``.
+
 Launch configs come from a tuning table (``configs/fused_moe_E{E}_H{H}_I{I}_{dtype}_{device}.json``,
 written by ``bench/tune_fused_moe.py``), keyed by token count; the nearest entry is used, else
 :func:`default_config`.
@@ -50,6 +58,9 @@ import torch
 import triton
 import triton.language as tl
 
+from glm5_kernels import fp8_linear
+from glm5_kernels.fp8_linear import quantize_rows
+from glm5_kernels.fp8_ref import FP8_MAX, MIN_AMAX
 
 logger = logging.getLogger(__name__)
 
@@ -182,9 +193,11 @@ def _moe_gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ids_ptr, block_expe
                         stride_xm, stride_we, stride_wn, stride_hm, stride_se, stride_sn,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                        W_FP8: tl.constexpr = False, SB: tl.constexpr = 128):
+                        W_FP8: tl.constexpr = False, SB: tl.constexpr = 128, A_FP8: tl.constexpr = False,
+                        FP8_MAX_: tl.constexpr = 448.0, MIN_AMAX_: tl.constexpr = 1e-12, FP8_ACC: tl.constexpr = 32):
     """h[pair, n] = clamped_swiglu(x[token] · W_gate[e, n], x[token] · W_up[e, n]); N = I, K = H.
-    ``W_FP8``: the weights are e4m3 with block scales ``s[e, n // SB, k // SB]`` (BLOCK_N divides SB)."""
+    ``W_FP8``: the weights are e4m3 with block scales ``s[e, n // SB, k // SB]`` (BLOCK_N divides SB).
+    ``A_FP8`` (with ``W_FP8``): the x tile is quantised per row and K tile (BLOCK_K = SB, or all of a smaller K)."""
     pid = tl.program_id(0)
     pid_m, pid_n = _block_coords(pid, num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -213,7 +226,14 @@ def _moe_gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ids_ptr, block_expe
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             bg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             bu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-        if W_FP8:
+        if A_FP8:
+            a8, sa = quantize_rows(a, FP8_MAX_, MIN_AMAX_)
+            s_k = (kb * BLOCK_K) // SB
+            sg = tl.load(sg_ptr + s_off + s_k)
+            su = tl.load(su_ptr + s_off + s_k)
+            acc_g += tl.dot(a8, bg, max_num_imprecise_acc=FP8_ACC) * (sa[:, None] * sg)
+            acc_u += tl.dot(a8, bu, max_num_imprecise_acc=FP8_ACC) * (sa[:, None] * su)
+        elif W_FP8:
             kk = kb * BLOCK_K + offs_k
             ag = _fold_scales(a, sg_ptr + s_off, kk, k_ok, EVEN_K, SB)
             au = _fold_scales(a, su_ptr + s_off, kk, k_ok, EVEN_K, SB)
@@ -245,8 +265,10 @@ def _moe_down_kernel(h_ptr, wd_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr, block_exp
                      stride_hm, stride_we, stride_wn, stride_ym, stride_se, stride_sn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                     W_FP8: tl.constexpr = False, SB: tl.constexpr = 128):
-    """y[pair, n] = w[pair] · (h[pair] · W_down[e, n]); N = H, K = I (``W_FP8`` as in the gate/up kernel)."""
+                     W_FP8: tl.constexpr = False, SB: tl.constexpr = 128, A_FP8: tl.constexpr = False,
+                     FP8_MAX_: tl.constexpr = 448.0, MIN_AMAX_: tl.constexpr = 1e-12, FP8_ACC: tl.constexpr = 32):
+    """y[pair, n] = w[pair] · (h[pair] · W_down[e, n]); N = H, K = I (``W_FP8``, ``A_FP8`` as in the gate/up
+    kernel: with ``A_FP8`` the h tile is quantised)."""
     pid = tl.program_id(0)
     pid_m, pid_n = _block_coords(pid, num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -269,7 +291,11 @@ def _moe_down_kernel(h_ptr, wd_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr, block_exp
         else:
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        if W_FP8:
+        if A_FP8:
+            a8, sa = quantize_rows(a, FP8_MAX_, MIN_AMAX_)
+            sd = tl.load(sd_ptr + s_off + (kb * BLOCK_K) // SB)
+            acc += tl.dot(a8, b, max_num_imprecise_acc=FP8_ACC) * (sa[:, None] * sd)
+        elif W_FP8:
             a = _fold_scales(a, sd_ptr + s_off, kb * BLOCK_K + offs_k, k_ok, EVEN_K, SB)
             if IEEE:
                 acc = tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
@@ -355,6 +381,8 @@ def validate_config(cfg: dict[str, Any]) -> None:
             v = src.get(key)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"fused_moe config {key}={v!r}: must be a positive int")
+    if cfg.get("A_FP8", 1) not in (0, 1):
+        raise ValueError(f"fused_moe config A_FP8={cfg['A_FP8']!r}: must be 0 (fp8 weights only) or 1 (w8a8)")
     unknown = set(cfg.get("down", {})) - set(TILE_KEYS)
     if unknown:
         raise ValueError(f"fused_moe config 'down' has keys {sorted(unknown)}; only {', '.join(TILE_KEYS)} "
@@ -403,17 +431,38 @@ def _fit(block: int, dim: int) -> int:
 
 
 
-def _fit_smem(block_m: int, block_n: int, block_k: int, stages: int, b_tiles: int, elem: int) -> tuple[int, int]:
+def _fit_smem(block_m: int, block_n: int, block_k: int, stages: int, b_tiles: int, elem_a: int,
+              elem_b: int, fixed_k: bool = False) -> tuple[int, int]:
     """Shrink (BLOCK_K, then stages) until ``stages`` buffered A+B tiles fit in shared memory, so a
-    bf16-tuned config reused for fp32 (twice the bytes) degrades instead of failing to launch."""
-    while stages * (block_m * block_k + b_tiles * block_k * block_n) * elem > SMEM_LIMIT:
-        if block_k > 32:
+    bf16-tuned config reused for fp32 (twice the bytes) degrades instead of failing to launch. ``fixed_k``
+    (w8a8: a K tile is one activation quantisation group) shrinks only the stages."""
+    while stages * (block_m * block_k * elem_a + b_tiles * block_k * block_n * elem_b) > SMEM_LIMIT:
+        if block_k > 32 and not fixed_k:
             block_k //= 2
         elif stages > 2:
             stages -= 1
         else:
             break
     return block_k, stages
+
+
+#: Token counts up to which :func:`fused_moe` runs fp8 experts in the w8a8 mode unless the config says otherwise:
+#: measured faster and within its bounds on the H200 at T = 1-512 (decode, 16-row blocks); larger T (prefill
+#: tiles) keeps W8A16 until the w8a8 mode is timed there.
+W8A8_MAX_TOKENS = 512
+
+
+def quantises_activations(cfg: dict[str, Any], dtype: torch.dtype, fp8_weights: bool) -> bool:
+    """Whether the kernels run w8a8 (activation tiles quantised in the kernel): fp8 experts, bf16/fp16
+    activations (fp32, the oracle mode, is never quantised) and the config's ``A_FP8`` (absent: 0;
+    :func:`fused_moe` sets it per token count)."""
+    return fp8_weights and dtype != torch.float32 and bool(cfg.get("A_FP8", 0))
+
+
+def _group_tile(dim: int) -> int:
+    """BLOCK_K of a w8a8 kernel: one 128-channel activation group per K step (all of a smaller K; e4m3 dots
+    need K >= 32)."""
+    return max(32, min(FP8_BLOCK, triton.next_power_of_2(dim)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -436,9 +485,14 @@ def moe_gate_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, routi
     inter = w_gate.shape[1]
     h = out if out is not None else torch.empty(t * top_k, inter, device=x.device, dtype=x.dtype)
     bn, bk = _fit(cfg["BLOCK_SIZE_N"], inter), _fit(cfg["BLOCK_SIZE_K"], hidden)
+    a_fp8 = quantises_activations(cfg, x.dtype, scales is not None)
     if scales is not None:
         bn = min(bn, FP8_BLOCK)  # one scale row per weight tile
-    bk, stages = _fit_smem(routing.block_m, bn, bk, cfg["num_stages"], 2, x.element_size())
+    if a_fp8:
+        bk = _group_tile(hidden)
+    # w8a8 tiles stay e4m3 in shared memory; a widened (W8A16) tile also takes the activation's width there
+    bk, stages = _fit_smem(routing.block_m, bn, bk, cfg["num_stages"], 2, x.element_size(),
+                           1 if a_fp8 else x.element_size(), fixed_k=a_fp8)
     sg, se, sn = _scale_args(None if scales is None else scales[0], w_gate)
     su, _, _ = _scale_args(None if scales is None else scales[1], w_up)
     grid = (routing.num_blocks * triton.cdiv(inter, bn),)
@@ -448,7 +502,8 @@ def moe_gate_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, routi
         x.stride(0), w_gate.stride(0), w_gate.stride(1), h.stride(0), se, sn,
         TOP_K=top_k, BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=hidden % bk == 0, IEEE=x.dtype == torch.float32, W_FP8=scales is not None, SB=FP8_BLOCK,
-        num_warps=cfg["num_warps"], num_stages=stages)
+        A_FP8=a_fp8, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX,
+        FP8_ACC=min(fp8_linear.FP8_DOT_ACC, bk), num_warps=cfg["num_warps"], num_stages=stages)
     return h
 
 
@@ -461,9 +516,13 @@ def moe_down(h: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, 
     hidden = w_down.shape[1]
     y = out if out is not None else torch.empty(pairs, hidden, device=h.device, dtype=h.dtype)
     bn, bk = _fit(cfg["BLOCK_SIZE_N"], hidden), _fit(cfg["BLOCK_SIZE_K"], inter)
+    a_fp8 = quantises_activations(cfg, h.dtype, scale is not None)
     if scale is not None:
         bn = min(bn, FP8_BLOCK)
-    bk, stages = _fit_smem(routing.block_m, bn, bk, cfg["num_stages"], 1, h.element_size())
+    if a_fp8:
+        bk = _group_tile(inter)
+    bk, stages = _fit_smem(routing.block_m, bn, bk, cfg["num_stages"], 1, h.element_size(),
+                           1 if a_fp8 else h.element_size(), fixed_k=a_fp8)
     sd, se, sn = _scale_args(scale, w_down)
     grid = (routing.num_blocks * triton.cdiv(hidden, bn),)
     _moe_down_kernel[grid](
@@ -472,13 +531,16 @@ def moe_down(h: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, 
         h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), se, sn,
         BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=inter % bk == 0, IEEE=h.dtype == torch.float32, W_FP8=scale is not None, SB=FP8_BLOCK,
-        num_warps=cfg["num_warps"], num_stages=stages)
+        A_FP8=a_fp8, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX,
+        FP8_ACC=min(fp8_linear.FP8_DOT_ACC, bk), num_warps=cfg["num_warps"], num_stages=stages)
     return y
 
 
 def down_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The second kernel's tiles: ``cfg`` with its optional ``down`` overrides applied."""
-    return {**{k: cfg[k] for k in CONFIG_KEYS}, **cfg.get("down", {})}
+    """The second kernel's tiles: ``cfg`` with its optional ``down`` overrides applied (``A_FP8`` kept: both
+    kernels quantise their activations or neither does)."""
+    shared = {k: cfg[k] for k in (*CONFIG_KEYS, "A_FP8") if k in cfg}
+    return {**shared, **cfg.get("down", {})}
 
 
 def _check_inputs(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
@@ -548,6 +610,7 @@ def fused_moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
         config = get_config(t, top_k, e, hidden, inter, x.dtype, x.device, fp8_weights=scales is not None)
     else:
         validate_config(config)
+    config = {"A_FP8": int(t <= W8A8_MAX_TOKENS), **config}
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
     x = x.contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
@@ -568,4 +631,5 @@ def fused_moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
 
 __all__ = ["AlignedRouting", "align_routing", "fused_moe", "moe_align_block_size", "moe_forward_flops_bytes",
            "get_config", "default_config", "select_config", "load_config_table", "config_file_name",
-           "max_padded_rows", "moe_gate_up", "moe_down", "down_config", "CONFIG_DIR"]
+           "max_padded_rows", "moe_gate_up", "moe_down", "down_config", "quantises_activations", "W8A8_MAX_TOKENS",
+           "CONFIG_DIR"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from glm5_kernels.fp8_ref import dequantize_fp8_block
+from glm5_kernels.fp8_ref import BLOCK, dequantize_fp8_block, expand_block_scales, per_token_group_quant_fp8_ref
 
 
 def clamped_swiglu_ref(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -23,7 +23,7 @@ def fused_moe_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, swiglu_limit: float,
                   compute_dtype: torch.dtype | None = None,
                   scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                  expert_map: torch.Tensor | None = None) -> torch.Tensor:
+                  expert_map: torch.Tensor | None = None, quant_act: bool = False) -> torch.Tensor:
     """Per-expert loop: ``x [T, H]`` → ``[T, H]`` = Σ_k w_k · W_down[e_k] @ clamped_swiglu(...).
 
     Computes in ``x.dtype`` (accumulating the k slots in fp32) and returns ``x.dtype`` unless ``compute_dtype``
@@ -35,8 +35,13 @@ def fused_moe_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
     as block-scaled fp8: each touched expert is dequantised (:func:`glm5_kernels.fp8_ref.dequantize_fp8_block`,
     fp32 products) and cast to the compute dtype, which is what the fp8 kernel path is compared with.
     ``expert_map`` as in :func:`glm5_kernels.fused_moe.fused_moe`: ids → local experts, ``-1`` skipped (a partial
-    sum)."""
-    dt = compute_dtype or x.dtype
+    sum). ``quant_act`` (with ``scales``; the kernels' w8a8 mode): the rows of ``x`` and of the SwiGLU output
+    (rounded to ``x.dtype`` first, as the kernel stores it) are quantised per 128-channel group
+    (:func:`glm5_kernels.fp8_ref.per_token_group_quant_fp8_ref`) and both GEMMs run in fp32 (or
+    ``compute_dtype``) on the exactly dequantised operands."""
+    if quant_act and scales is None:
+        raise ValueError("quant_act quantises the activations of fp8 experts: pass their scales too")
+    dt = compute_dtype or (torch.float32 if quant_act else x.dtype)
     t, h = x.shape
     k = topk_ids.shape[1]
     acc_dt = torch.float64 if dt == torch.float64 else torch.float32
@@ -46,7 +51,14 @@ def fused_moe_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
         flat_e = expert_map.index_select(0, flat_e.long())
     token_of = torch.arange(t, device=x.device).repeat_interleave(k)
     flat_w = topk_weights.reshape(-1).to(acc_dt)
-    xc = x.to(dt)
+    xc = x if quant_act else x.to(dt)
+
+    def act(v: torch.Tensor) -> torch.Tensor:
+        if not quant_act:
+            return v
+        q, sv = per_token_group_quant_fp8_ref(v)
+        return (q.to(torch.float64) * expand_block_scales(sv, v.shape[0], v.shape[1], (1, BLOCK))).to(dt)
+
     def expert(w: torch.Tensor, i: int, e: int) -> torch.Tensor:
         return w[e].to(dt) if scales is None else dequantize_fp8_block(w[e], scales[i][e], dtype=dt)
 
@@ -55,11 +67,13 @@ def fused_moe_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
             continue
         sel = (flat_e == e).nonzero().squeeze(1)
         toks = token_of[sel]
-        xe = xc[toks]
+        xe = act(xc[toks])
         hid = clamped_swiglu_ref(F.linear(xe, expert(w_gate, 0, e)), F.linear(xe, expert(w_up, 1, e)), swiglu_limit)
+        if quant_act:
+            hid = act(hid.to(x.dtype))
         y = F.linear(hid, expert(w_down, 2, e)).to(acc_dt) * flat_w[sel, None]
         out.index_add_(0, toks, y)
-    return out.to(dt)
+    return out.to(compute_dtype or x.dtype)
 
 
 __all__ = ["clamped_swiglu_ref", "fused_moe_ref"]
