@@ -7,13 +7,15 @@
    M = 1 and 16, the w8a8 Triton GEMM and ``torch._scaled_mm`` (block scales) at M = 512, the per-head GEMV at
    MLA's absorbed shapes, and the fused MoE with fp8 experts (E288/H4096/I2048, T = 1, 64, 1024) against
    their references (bounds in ``tests/test_kernels_fp8.py``).
-2. Timings, for each real (N, K) and M = 1, 4, 16, 64, 256, 1K, 4K, 16K: bf16 cuBLAS (``x @ w.t()``), the fp8 GEMV (a few tile
-   configs, M <= 256), ``_scaled_mm`` and the Triton w8a8 GEMM (M >= 16); CUDA-graph replay up to M = 256
-   (what decode runs), plain ``do_bench`` above. Reported: µs, fp8 bytes/µs, speedup of the best fp8 choice
-   over bf16.
+2. Timings, for each real (N, K) and M = 1, 4, 16, 64, 256, 1K, 4K, 16K: bf16 cuBLAS (``x @ w.t()``), the fp8
+   GEMVs (``gemv`` and ``gemv_w8a8`` at a few tile configs for M <= 256, ``gemv_fma`` for M <= 4),
+   ``_scaled_mm`` and the Triton w8a8 GEMM (M >= 16); CUDA-graph replay up to M = 256 (what decode runs),
+   plain ``do_bench`` above. Reported: µs, fp8 bytes/µs, speedup of the best fp8 choice over bf16. Then the
+   fused MoE at ``--moe-tokens``: bf16 experts, fp8 experts widened (``A_FP8`` 0) and w8a8 (``A_FP8`` 1).
 3. ``--write-table``: the fastest fp8 implementation per (N, K, M) written to
    ``kernels/glm5_kernels/configs/fp8_linear_{device}.json`` (what ``glm5_kernels.fp8_linear.select_impl``
-   reads; commit it). The same table is always written to ``DIR/fp8_linear_table.json``.
+   reads; commit it), over the entries already there (M values this run did not time keep theirs). The same
+   table is always written to ``DIR/fp8_linear_table.json``.
 
 Writes ``DIR/fp8_check.json`` (checks, timings, choices) and prints a short table. Stops starting new timings
 when ``--budget-s`` is spent (the checks always run first).
@@ -58,11 +60,11 @@ SHAPES = [("mla.q_a", 1536, 4096), ("mla.q_b", 16384, 1536), ("mla.kv_a", 512, 4
 MS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
 GRAPH_MAX_M = 256
 #: GEMV tile candidates besides the default: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages).
-GEMV_CANDIDATES = [(16, 256, 1, 4, 4), (32, 256, 1, 4, 4), (64, 128, 1, 4, 4), (32, 256, 2, 4, 4),
-                   (16, 256, 4, 4, 4), (64, 256, 1, 8, 3), (16, 512, 1, 4, 3), (32, 512, 2, 8, 3)]
+GEMV_CANDIDATES = [(32, 256, 1, 4, 4), (64, 128, 1, 4, 4), (32, 256, 2, 4, 4), (16, 256, 4, 4, 4)]
 #: FMA GEMV candidates at M <= 4 (BLOCK_M = M): (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages).
-FMA_CANDIDATES = [(16, 128, 1, 4, 3), (32, 128, 1, 4, 3), (16, 256, 1, 4, 3), (8, 256, 1, 4, 3), (16, 128, 2, 4, 3),
-                  (32, 256, 2, 8, 3), (64, 128, 1, 8, 3), (16, 512, 1, 4, 2), (32, 128, 4, 4, 3)]
+FMA_CANDIDATES = [(16, 512, 1, 4, 2), (8, 512, 2, 4, 2), (16, 256, 1, 4, 3), (32, 256, 2, 8, 3)]
+#: w8a8 GEMV candidates (BLOCK_K is one 128-channel group): (BLOCK_N, SPLIT_K, num_warps, num_stages).
+W8A8_GEMV_CANDIDATES = [(16, 1, 4, 3), (16, 1, 8, 3), (32, 2, 4, 4), (64, 1, 4, 4), (128, 1, 8, 3)]
 W8A16_BOUND = W8A8_BOUND = 1e-2
 
 
@@ -119,6 +121,9 @@ def run_checks(log: Callable[[dict], None]) -> list[dict]:
                     fma = {"impl": "gemv_fma", "BLOCK_M": m, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 2,
                            "num_warps": 4, "num_stages": 3}
                     errs[f"fma {m}"] = rel(fl.fp8_linear(x, w8, s, impl=fma), fp8_linear_ref(x, w8, s))
+                errs[f"w8a8 {m}"] = rel(fl.fp8_linear(x, w8, s, impl={**fl.default_gemv_config(m, n, k),
+                                                                        "impl": "gemv_w8a8"}),
+                                        w8a8_linear_ref(x, w8, s))
             return {"ok": max(errs.values()) < W8A16_BOUND, "rel_err": errs, "bound": W8A16_BOUND}
         check(f"gemv {name} {n}x{k}", gemv)
 
@@ -150,7 +155,7 @@ def run_checks(log: Callable[[dict], None]) -> list[dict]:
     check("head gemv (MLA absorbed kv_b views)", heads)
 
     def moe() -> dict:
-        from glm5_kernels.fused_moe import fused_moe
+        from glm5_kernels.fused_moe import fused_moe, get_config
         from glm5_kernels.moe_ref import fused_moe_ref
         e, h, i, k = 288, 4096, 2048, 8
         ws = [quantize_fp8_block(torch.randn(e, a, b, device="cuda", generator=g) * b ** -0.5 * 3)
@@ -161,8 +166,11 @@ def run_checks(log: Callable[[dict], None]) -> list[dict]:
             x = torch.randn(t, h, device="cuda", generator=g).to(torch.bfloat16)
             ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=-1).indices
             w = torch.rand(t, k, device="cuda", generator=g)
-            errs[t] = rel(fused_moe(x, ws[0][0], ws[1][0], ws[2][0], w, ids, 10.0, scales=sc),
-                          fused_moe_ref(x, ws[0][0], ws[1][0], ws[2][0], w, ids, 10.0, scales=sc))
+            for a_fp8 in (0, 1):
+                cfg = {**get_config(t, k, e, h, i, torch.bfloat16, x.device, fp8_weights=True), "A_FP8": a_fp8}
+                errs[f"{t} A_FP8={a_fp8}"] = rel(
+                    fused_moe(x, ws[0][0], ws[1][0], ws[2][0], w, ids, 10.0, config=cfg, scales=sc),
+                    fused_moe_ref(x, ws[0][0], ws[1][0], ws[2][0], w, ids, 10.0, scales=sc, quant_act=bool(a_fp8)))
         return {"ok": max(errs.values()) < W8A16_BOUND, "rel_err": errs}
     check("fused_moe fp8 experts E288", moe)
     return out
@@ -197,6 +205,8 @@ def time_shape(name: str, n: int, k: int, ms: list[int], deadline: float, log) -
             cfgs += [{"impl": "gemv", **default}] + [
                 {"impl": "gemv", "BLOCK_M": default["BLOCK_M"], "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp,
                  "num_warps": nw, "num_stages": st} for bn, bk, sp, nw, st in GEMV_CANDIDATES]
+            cfgs += [{"impl": "gemv_w8a8", "BLOCK_M": default["BLOCK_M"], "BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": sp,
+                      "num_warps": nw, "num_stages": st} for bn, sp, nw, st in W8A8_GEMV_CANDIDATES]
         if m <= 4:
             cfgs += [{"impl": "gemv_fma", "BLOCK_M": m, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "num_warps": nw,
                       "num_stages": st} for bn, bk, sp, nw, st in FMA_CANDIDATES]
@@ -232,12 +242,65 @@ def time_shape(name: str, n: int, k: int, ms: list[int], deadline: float, log) -
     return rows
 
 
+def time_moe(tokens: list[int], log) -> list[dict]:
+    """The routed experts at E288/H4096/I2048/top-8 under CUDA-graph replay: bf16 experts, fp8 experts widened
+    in registers (``A_FP8`` 0) and the w8a8 mode (``A_FP8`` 1), each with its table's config; µs and the
+    weight bytes the touched experts move per µs."""
+    from glm5_kernels.fused_moe import fused_moe, get_config
+    e, h, i, k = 288, 4096, 2048, 8
+    g = torch.Generator(device="cuda").manual_seed(3)
+    wb = [torch.randn(e, a, b, device="cuda", generator=g, dtype=torch.bfloat16) * b ** -0.5 for a, b in
+          ((i, h), (i, h), (h, i))]
+    w8 = [quantize_fp8_block(w) for w in wb]
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, h, device="cuda", generator=g).to(torch.bfloat16)
+        ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=-1).indices
+        w = torch.rand(t, k, device="cuda", generator=g)
+        touched = int(torch.unique(ids).numel())
+        row: dict[str, Any] = {"moe_tokens": t, "experts_touched": touched, "us": {}, "GBps": {}}
+        runs = {"bf16": lambda: fused_moe(x, *wb, w, ids, 10.0)}
+        for a_fp8 in (0, 1):
+            cfg = {**get_config(t, k, e, h, i, torch.bfloat16, x.device, fp8_weights=True), "A_FP8": a_fp8}
+            runs[f"fp8 A_FP8={a_fp8}"] = lambda cfg=cfg: fused_moe(x, w8[0][0], w8[1][0], w8[2][0], w, ids, 10.0,
+                                                                     config=cfg, scales=tuple(s for _, s in w8))
+        for label, fn in runs.items():
+            try:
+                us = bench_us(fn, graph=True)
+            except Exception as ex:
+                row.setdefault("errors", {})[label] = f"{type(ex).__name__}: {str(ex)[:200]}"
+                torch.cuda.synchronize()
+                continue
+            row["us"][label] = us
+            row["GBps"][label] = touched * 3 * h * i * (2 if label == "bf16" else 1) / (us * 1e-6) / 1e9
+        log(row)
+        rows.append(row)
+    del wb, w8
+    torch.cuda.empty_cache()
+    return rows
+
+
+def merge_tables(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The committed table with this run's choices laid over it: a run over a few M values (``--ms 1,4``)
+    replaces those entries and keeps the others; ``_meta`` lists every run that contributed."""
+    merged = {shape: dict(per_m) for shape, per_m in old.items() if not shape.startswith("_")}
+    for shape, per_m in new.items():
+        if not shape.startswith("_"):
+            merged.setdefault(shape, {}).update(per_m)
+    runs = old.get("_meta", {}).get("runs") or ([old["_meta"]] if "_meta" in old else [])
+    merged["_meta"] = {**new["_meta"], "runs": [*runs, new["_meta"]]}
+    return merged
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="output directory (created)")
     ap.add_argument("--budget-s", type=float, default=240.0, help="wall-clock budget; timings stop when spent")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated M values")
+    ap.add_argument("--no-checks", action="store_true", help="timings only (the GPU tests check the same kernels)")
+    ap.add_argument("--moe-tokens", default="1,8,64,256",
+                    help="comma-separated token counts for the fused-MoE timings (empty: none)")
     ap.add_argument("--write-table", action="store_true",
                     help="also write kernels/glm5_kernels/configs/fp8_linear_{device}.json")
     args = ap.parse_args()
@@ -252,7 +315,7 @@ def main() -> int:
                            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                            "triton": triton.__version__, "command": " ".join(sys.argv),
                            "scaled_mm_block_supported": fl.scaled_mm_block_supported()}
-    res["checks"] = run_checks(log)
+    res["checks"] = [] if args.no_checks else run_checks(log)
     deadline = t0 + args.budget_s
     ms = [int(v) for v in args.ms.split(",") if v]
     res["timings"] = []
@@ -263,6 +326,11 @@ def main() -> int:
             res["timings"].append({"shape": name, "N": n, "K": k, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             log(res["timings"][-1])
             torch.cuda.empty_cache()
+    try:
+        res["moe"] = time_moe([int(v) for v in args.moe_tokens.split(",") if v], log)
+    except Exception as e:
+        res["moe"] = [{"error": f"{type(e).__name__}: {str(e)[:300]}"}]
+        log(res["moe"][0])
     table: dict[str, Any] = {}
     for r in res["timings"]:
         if "choice" in r:
@@ -274,7 +342,8 @@ def main() -> int:
     (args.out / "fp8_linear_table.json").write_text(json.dumps(table, indent=1) + "\n")
     if args.write_table:
         path = fl.CONFIG_DIR / fl.table_file_name(torch.cuda.get_device_name().replace(" ", "_"))
-        path.write_text(json.dumps(table, indent=1) + "\n")
+        merged = merge_tables(json.loads(path.read_text()) if path.exists() else {}, table)
+        path.write_text(json.dumps(merged, indent=1) + "\n")
         print(f"wrote {path}")
 
     print(f"\nchecks: {sum(c['ok'] for c in res['checks'])}/{len(res['checks'])} ok "
@@ -287,6 +356,10 @@ def main() -> int:
         if "best" in r and r["M"] in (1, 16, 64, 256, 4096, 16384):
             print(f"{r['shape']:<26} {r['N']:>6} {r['K']:>6} {r['M']:>6} {r['us'].get('bf16', float('nan')):>8.1f} "
                   f"{r['best_us']:>8.1f} {r.get('speedup_vs_bf16', float('nan')):>6.2f} {r['fp8_GBps']:>8.0f}  {r['best']}")
+    for r in res["moe"]:
+        if "us" in r:
+            print(f"fused MoE T={r['moe_tokens']:<5} experts {r['experts_touched']:>3}: " + ", ".join(
+                f"{lbl} {us:.1f} us ({r['GBps'][lbl]:.0f} GB/s)" for lbl, us in r["us"].items()))
     print(f"\nwrote {args.out / 'fp8_check.json'} in {res['seconds']} s")
     return 0 if all(c["ok"] for c in res["checks"]) else 1
 
