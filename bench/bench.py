@@ -510,6 +510,8 @@ def main() -> int:
                     help="prefill lengths (default 1024 8192 32768; --quick: 1024 8192)")
     ap.add_argument("--skip-hf", action="store_true", help="do not run transformers' model")
     ap.add_argument("--profile-prefill", action="store_true", help="also profile one 8K prefill (kernel table)")
+    ap.add_argument("--profile-batches", type=int, nargs="*", default=[1, 64],
+                    help="decode batches (of --batches) whose eager step gets a kernel table (default 1 64)")
     ap.add_argument("--hf-batches", type=int, nargs="+", default=[1, 8, 64],
                     help="transformers decode batches, tried in order until one fails (then halved)")
     ap.add_argument("--hf-deadline", type=float, help="start no transformers batch after this time.time()")
@@ -589,7 +591,7 @@ def main() -> int:
         (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
         res["decode"] += run_decode(s, batches, ctxs, reps=3, log=log)
         (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
-        for b in (1, 64):
+        for b in args.profile_batches:
             if b in batches:
                 try:
                     res["profiles"].append(profile_decode(s, b, 1024, args.out))
