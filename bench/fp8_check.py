@@ -66,6 +66,7 @@ FMA_CANDIDATES = [(16, 512, 1, 4, 2), (8, 512, 2, 4, 2), (16, 256, 1, 4, 3), (32
 #: w8a8 GEMV candidates (BLOCK_K is one 128-channel group): (BLOCK_N, SPLIT_K, num_warps, num_stages).
 W8A8_GEMV_CANDIDATES = [(16, 1, 4, 3), (16, 1, 8, 3), (32, 2, 4, 4), (64, 1, 4, 4), (128, 1, 8, 3)]
 W8A16_BOUND = W8A8_BOUND = 1e-2
+W8A8_MOE_BOUND = 2e-2  # the MoE's w8a8 mode quantises twice (tests/test_kernels_fp8.py says why)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -171,7 +172,8 @@ def run_checks(log: Callable[[dict], None]) -> list[dict]:
                 errs[f"{t} A_FP8={a_fp8}"] = rel(
                     fused_moe(x, ws[0][0], ws[1][0], ws[2][0], w, ids, 10.0, config=cfg, scales=sc),
                     fused_moe_ref(x, ws[0][0], ws[1][0], ws[2][0], w, ids, 10.0, scales=sc, quant_act=bool(a_fp8)))
-        return {"ok": max(errs.values()) < W8A16_BOUND, "rel_err": errs}
+        ok = all(v < (W8A8_MOE_BOUND if key.endswith("=1") else W8A16_BOUND) for key, v in errs.items())
+        return {"ok": ok, "rel_err": errs, "bounds": {"A_FP8=0": W8A16_BOUND, "A_FP8=1": W8A8_MOE_BOUND}}
     check("fused_moe fp8 experts E288", moe)
     return out
 

@@ -122,7 +122,9 @@ def tune_one_m(m: int, deadline: float, w: dict[str, torch.Tensor], top_k: int, 
     weights = torch.rand(m, top_k, device=wg.device, generator=gen)
     h = torch.empty(m * top_k, inter, device=wg.device, dtype=dtype)
     y = torch.empty(m * top_k, hidden, device=wg.device, dtype=dtype)
-    default = fm.default_config(m, top_k, e, dtype)
+    # fp8 experts: tune the mode fused_moe runs at this token count (w8a8 up to W8A8_MAX_TOKENS, else W8A16)
+    mode = {"A_FP8": int(m <= fm.W8A8_MAX_TOKENS)} if sc is not None else {}
+    default = {**fm.default_config(m, top_k, e, dtype), **mode}
     elem = 2 if sc is not None else wg.element_size()  # smem estimate: A tiles in bf16 dominate either way
 
     # one job list, round-robin over (BLOCK_SIZE_M, kernel) by candidate rank so every BLOCK_SIZE_M gets
@@ -141,7 +143,7 @@ def tune_one_m(m: int, deadline: float, w: dict[str, torch.Tensor], top_k: int, 
         complete = any((bm_, "gate_up") in best and (bm_, "down") in best for bm_ in routings)
         if complete and time.monotonic() > deadline - FINAL_RESERVE_S:
             break
-        cfg = {"BLOCK_SIZE_M": bm, **tiles}
+        cfg = {"BLOCK_SIZE_M": bm, **tiles, **mode}
         try:
             if bm not in routings:
                 routings[bm] = fm.moe_align_block_size(ids, e, bm)
@@ -173,7 +175,7 @@ def tune_one_m(m: int, deadline: float, w: dict[str, torch.Tensor], top_k: int, 
                  best[(bm, "gate_up")][0], best[(bm, "down")][0], total)
         if total < choice_us:
             dn = best[(bm, "down")][1]
-            choice = {"BLOCK_SIZE_M": bm, **best[(bm, "gate_up")][1]}
+            choice = {"BLOCK_SIZE_M": bm, **best[(bm, "gate_up")][1], **mode}
             if dn != best[(bm, "gate_up")][1]:
                 choice["down"] = dict(dn)
             choice_us = total
@@ -185,7 +187,10 @@ def tune_one_m(m: int, deadline: float, w: dict[str, torch.Tensor], top_k: int, 
     full_us = bench_us(lambda: fm.fused_moe(x, wg, wu, wd, weights, ids, limit, config=choice, scales=sc), rep_ms)
     default_us = bench_us(lambda: fm.fused_moe(x, wg, wu, wd, weights, ids, limit, config=default, scales=sc), rep_ms)
     got = fm.fused_moe(x, wg, wu, wd, weights, ids, limit, config=choice, scales=sc).float()
-    ref = fused_moe_ref(x, wg, wu, wd, weights, ids, limit, scales=sc).float()
+    # the w8a8 mode against the reference that quantises x and h the same way (its composite bound is 2e-2 too:
+    # tests/test_kernels_fp8.py, W8A8_MOE_BOUND)
+    ref = fused_moe_ref(x, wg, wu, wd, weights, ids, limit, scales=sc,
+                        quant_act=bool(mode.get("A_FP8"))).float()
     rel = ((got - ref).norm() / ref.norm()).item()
     if not rel < 2e-2:
         log.error("M=%d: tuned config %s disagrees with the reference (rel %.3g); keeping the default", m, choice, rel)

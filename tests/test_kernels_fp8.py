@@ -47,11 +47,14 @@ INTERPRETER_CODE = textwrap.dedent("""
     def rel(a, b):
         return float((a.double() - b.double()).norm() / b.double().norm())
     def exact_rows(m, k):
-        # fp16 rows of e4m3 codes x 2^-6 with a 448 code in every 128-channel group: quantising them in a
-        # kernel is exact, so the interpreter's e4m3 carry bug cannot show; only the fp16 output rounds
+        # fp16 rows of e4m3 codes with a 448 code in every 128-channel group, each (row, group) times its own
+        # power of two (2^-9 .. 2^-3: every group has its own scale): quantising them in a kernel is exact, so
+        # the interpreter's e4m3 carry bug cannot show; only the fp16 output rounds
         v = (torch.randn(m, k, generator=g) * 100).clamp(-448, 448).to(FP8_DTYPE).float()
         v[:, ::128] = 448.0
-        return (v * 2.0 ** -6).half()
+        groups = -(-k // 128)
+        p = torch.randint(-9, -2, (m, groups), generator=g).float().repeat_interleave(128, 1)[:, :k]
+        return (v * torch.exp2(p)).half()
     out, out16 = {}, {}
     n, k = 200, 300                                   # partial last blocks in N (72 rows) and K (44 columns)
     wq, s = quantize_fp8_block(torch.randn(n, k, generator=g) / k ** 0.5)
@@ -119,13 +122,13 @@ INTERPRETER_CODE = textwrap.dedent("""
                                5.0)
     he = exact_rows(t * kk, i)
     y_ref = torch.einsum("pk,pnk->pn", he.double(), wd[2][pe]) * w.reshape(-1, 1).double()
-    for bk in (64, 256):
-        cfg = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": bk, "GROUP_SIZE_M": 1, "num_warps": 4,
+    for bn in (32, 64):  # BLOCK_SIZE_K is one 128-channel group in the w8a8 mode whatever the config says
+        cfg = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1, "num_warps": 4,
                "num_stages": 2, "A_FP8": 1}
         r = align_routing(ids, e, 16)
-        out16[f"moe w8a8 gate_up k{bk}"] = rel(moe_gate_up(xe, ws[0][0], ws[1][0], r, kk, 5.0, cfg,
+        out16[f"moe w8a8 gate_up n{bn}"] = rel(moe_gate_up(xe, ws[0][0], ws[1][0], r, kk, 5.0, cfg,
                                                            scales=(ws[0][1], ws[1][1])), h_ref)
-        out16[f"moe w8a8 down k{bk}"] = rel(moe_down(he, ws[2][0], w.reshape(-1), r, cfg, scale=ws[2][1]), y_ref)
+        out16[f"moe w8a8 down n{bn}"] = rel(moe_down(he, ws[2][0], w.reshape(-1), r, cfg, scale=ws[2][1]), y_ref)
     print("RESULTS", out, out16)
     assert max(out.values()) < 1e-5, out
     assert max(out16.values()) < 1e-3, out16   # fp16 output rounding: 2^-11 relative at most

@@ -348,13 +348,14 @@ def select_impl(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
 # ----------------------------------------------------------------------------------------------
 
 def _k_split(cfg: dict[str, Any], out_shape: tuple[int, ...], out_dtype: torch.dtype, x: torch.Tensor,
-             w: torch.Tensor, s: torch.Tensor) -> tuple[int, int, torch.Tensor]:
-    """A GEMV launch's ``BLOCK_K`` (at most K), its K split (at most one per K tile) and its output: ``out_shape``
-    in ``out_dtype``, or with a split the fp32 partial sums ``[split, *out_shape]`` the caller adds up."""
+             w: torch.Tensor, s: torch.Tensor, min_k: int = 16) -> tuple[int, int, torch.Tensor]:
+    """A GEMV launch's ``BLOCK_K`` (at most K rounded up to a power of two, at least ``min_k``: the dot's
+    minimum), its K split (at most one per K tile) and its output: ``out_shape`` in ``out_dtype``, or with a
+    split the fp32 partial sums ``[split, *out_shape]`` the caller adds up."""
     if w.stride(-1) != 1 or x.stride(-1) != 1 or s.stride(-1) != 1:
         raise ValueError("the fp8 GEMVs need unit stride along K for x, the weight and its scales")
     k = x.shape[-1]
-    bk = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(k)))
+    bk = min(cfg["BLOCK_K"], max(min_k, triton.next_power_of_2(k)))
     split = max(1, min(cfg["SPLIT_K"], triton.cdiv(k, bk)))
     y = torch.empty(out_shape, device=x.device, dtype=out_dtype) if split == 1 else \
         torch.empty((split, *out_shape), device=x.device, dtype=torch.float32)
@@ -370,7 +371,7 @@ def _gemv(x3: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor
     a_fp8 = cfg.get("impl") == "gemv_w8a8" and x3.dtype != torch.float32  # fp32 is never quantised
     if a_fp8:  # one K tile = one activation group (e4m3 dots need K >= 32)
         cfg = {**cfg, "BLOCK_K": max(32, min(BLOCK, triton.next_power_of_2(k)))}
-    bk, split, y = _k_split(cfg, (m, groups, n), out_dtype, x3, w, s)
+    bk, split, y = _k_split(cfg, (m, groups, n), out_dtype, x3, w, s, min_k=32 if a_fp8 else 16)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split, groups)
     _fp8_gemv_kernel[grid](
         x3, w, s, y, bias if bias is not None else s, m, n, k,
