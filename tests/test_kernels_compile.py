@@ -147,29 +147,49 @@ def test_mhc_kernels_compile(dtype, precision, block_t):
 
 
 # bf16/fp32 as before; fp8 experts (bf16 activations) with the decode tile (16 x 256, K spanning two scale blocks)
-# and the prefill tile. The fp32 fp8 path (oracle mode) runs under the interpreter test.
-@pytest.mark.parametrize("dtype,fp8,block_m,block_k", [("bf16", False, 64, 64), ("fp32", False, 64, 64),
-                                                       ("bf16", True, 16, 256), ("bf16", True, 64, 64)])
-def test_fused_moe_kernels_compile(dtype, fp8, block_m, block_k):
+# and the prefill tile; the w8a8 mode (one 128-channel K step, e4m3 dots accumulated in fp32) with the decode
+# tile and the 128-row prefill tile at the stages its launcher keeps (3 of the table's 4). The fp32 fp8 path
+# (oracle mode) runs under the interpreter test.
+@pytest.mark.parametrize("dtype,fp8,block_m,block_k,a_fp8,stages", [
+    ("bf16", False, 64, 64, False, 3), ("fp32", False, 64, 64, False, 3), ("bf16", True, 16, 256, False, 3),
+    ("bf16", True, 64, 64, False, 3), ("bf16", True, 16, 128, True, 3), ("bf16", True, 128, 128, True, 3)])
+def test_fused_moe_kernels_compile(dtype, fp8, block_m, block_k, a_fp8, stages):
     from glm5_kernels.fused_moe import _moe_down_kernel, _moe_gate_up_kernel
     common = dict(sorted_ids_ptr="i32", block_expert_ptr="i32", total_ptr="i32")
     w = "fp8e4nv" if fp8 else dtype
     s = "fp32" if fp8 else dtype  # without fp8 the scale pointers are unused placeholders (the weights)
-    tiles = dict(BLOCK_M=block_m, BLOCK_N=128 if block_m == 64 else 64, BLOCK_K=block_k, GROUP_M=8, EVEN_K=True,
-                 IEEE=dtype == "fp32", W_FP8=fp8, SB=128)
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=128 if block_m >= 64 or a_fp8 else 64, BLOCK_K=block_k, GROUP_M=8,
+                 EVEN_K=True, IEEE=dtype == "fp32", W_FP8=fp8, SB=128, A_FP8=a_fp8, FP8_MAX_=448.0,
+                 MIN_AMAX_=1e-12, FP8_ACC=32)
+    warps = 8 if block_m == 128 else 4
     _compile(_moe_gate_up_kernel, dict(x_ptr=dtype, wg_ptr=w, wu_ptr=w, h_ptr=dtype, sg_ptr=s, su_ptr=s, **common),
-             dict(TOP_K=8, **tiles), floats=("limit",))
-    _compile(_moe_down_kernel, dict(h_ptr=dtype, wd_ptr=w, y_ptr=dtype, topk_w_ptr="fp32", sd_ptr=s, **common), tiles)
+             dict(TOP_K=8, **tiles), floats=("limit",), num_warps=warps, num_stages=stages)
+    _compile(_moe_down_kernel, dict(h_ptr=dtype, wd_ptr=w, y_ptr=dtype, topk_w_ptr="fp32", sd_ptr=s, **common), tiles,
+             num_warps=warps, num_stages=stages)
 
 
-@pytest.mark.parametrize("dtype,block_m,block_n,split,bias", [("bf16", 16, 16, 1, False), ("bf16", 16, 64, 4, True),
-                                                              ("bf16", 64, 128, 1, True)])
-def test_fp8_gemv_kernel_compiles(dtype, block_m, block_n, split, bias):
+@pytest.mark.parametrize("dtype,block_m,block_n,block_k,split,bias,a_fp8", [
+    ("bf16", 16, 16, 256, 1, False, False), ("bf16", 16, 64, 256, 4, True, False),
+    ("bf16", 64, 128, 256, 1, True, False), ("bf16", 16, 128, 128, 1, False, True),
+    ("bf16", 64, 64, 128, 2, True, True), ("bf16", 16, 16, 32, 1, False, True)])
+def test_fp8_gemv_kernel_compiles(dtype, block_m, block_n, block_k, split, bias, a_fp8):
+    """W8A16 tiles, and the w8a8 GEMV's (one 128-channel group per K step, or the 32-wide minimum)."""
     from glm5_kernels.fp8_linear import _fp8_gemv_kernel
     _compile(_fp8_gemv_kernel, dict(x_ptr=dtype, w_ptr="fp8e4nv", s_ptr="fp32", y_ptr=dtype if split == 1 else "fp32",
                                     b_ptr=dtype if bias else "fp32"),
-             dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=256, SPLIT_K=split, SB=128, HAS_BIAS=bias, EVEN_K=True,
-                  IEEE=dtype == "fp32"))
+             dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, SB=128, HAS_BIAS=bias,
+                  EVEN_K=True, IEEE=dtype == "fp32", A_FP8=a_fp8, FP8_MAX_=448.0, MIN_AMAX_=1e-12, FP8_ACC=32),
+             num_stages=4)
+
+
+@pytest.mark.parametrize("block_m,block_n,block_k,split", [(1, 16, 512, 1), (1, 8, 512, 2), (4, 16, 256, 1)])
+def test_fp8_gemv_fma_kernel_compiles(block_m, block_n, block_k, split):
+    """The FMA GEMV's table tiles at M = 1 and a 4-row one (its 3D accumulator must stay in registers)."""
+    from glm5_kernels.fp8_linear import _fp8_gemv_fma_kernel
+    _compile(_fp8_gemv_fma_kernel, dict(x_ptr="bf16", w_ptr="fp8e4nv", s_ptr="fp32",
+                                        y_ptr="bf16" if split == 1 else "fp32", b_ptr="fp32"),
+             dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, SB=128, HAS_BIAS=False,
+                  EVEN_K=True), num_stages=2)
 
 
 def test_fp8_group_quant_kernel_compiles():
