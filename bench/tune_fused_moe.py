@@ -122,8 +122,8 @@ def tune_one_m(m: int, deadline: float, w: dict[str, torch.Tensor], top_k: int, 
     weights = torch.rand(m, top_k, device=wg.device, generator=gen)
     h = torch.empty(m * top_k, inter, device=wg.device, dtype=dtype)
     y = torch.empty(m * top_k, hidden, device=wg.device, dtype=dtype)
-    # fp8 experts: tune the mode fused_moe runs at this token count (w8a8 up to W8A8_MAX_TOKENS, else W8A16)
-    mode = {"A_FP8": int(m <= fm.W8A8_MAX_TOKENS)} if sc is not None else {}
+    # fp8 experts: tune the mode fused_moe runs at this token count (default_a_fp8: w8a8 or W8A16)
+    mode = {"A_FP8": fm.default_a_fp8(m)} if sc is not None else {}
     default = {**fm.default_config(m, top_k, e, dtype), **mode}
     elem = 2 if sc is not None else wg.element_size()  # smem estimate: A tiles in bf16 dominate either way
 

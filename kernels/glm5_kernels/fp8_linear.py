@@ -347,6 +347,17 @@ def select_impl(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
 # launchers
 # ----------------------------------------------------------------------------------------------
 
+def group_tile_k(k: int) -> int:
+    """BLOCK_K of a kernel that quantises its activation tiles (w8a8): one 128-channel group per K step, all
+    of a smaller K, at least 32 (e4m3 dots)."""
+    return max(32, min(BLOCK, triton.next_power_of_2(k)))
+
+
+def fp8_dot_acc(block_k: int) -> int:
+    """``max_num_imprecise_acc`` for e4m3 dots over ``block_k`` (:data:`FP8_DOT_ACC`, at most the tile's K)."""
+    return min(FP8_DOT_ACC, block_k)
+
+
 def _k_split(cfg: dict[str, Any], out_shape: tuple[int, ...], out_dtype: torch.dtype, x: torch.Tensor,
              w: torch.Tensor, s: torch.Tensor, min_k: int = 16) -> tuple[int, int, torch.Tensor]:
     """A GEMV launch's ``BLOCK_K`` (at most K rounded up to a power of two, at least ``min_k``: the dot's
@@ -369,8 +380,8 @@ def _gemv(x3: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor
     n = w.shape[1]
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     a_fp8 = cfg.get("impl") == "gemv_w8a8" and x3.dtype != torch.float32  # fp32 is never quantised
-    if a_fp8:  # one K tile = one activation group (e4m3 dots need K >= 32)
-        cfg = {**cfg, "BLOCK_K": max(32, min(BLOCK, triton.next_power_of_2(k)))}
+    if a_fp8:
+        cfg = {**cfg, "BLOCK_K": group_tile_k(k)}
     bk, split, y = _k_split(cfg, (m, groups, n), out_dtype, x3, w, s, min_k=32 if a_fp8 else 16)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split, groups)
     _fp8_gemv_kernel[grid](
@@ -379,7 +390,7 @@ def _gemv(x3: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor
         y.stride(-3), y.stride(-2),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SB=BLOCK, HAS_BIAS=bias is not None,
         EVEN_K=k % bk == 0, IEEE=x3.dtype == torch.float32, A_FP8=a_fp8, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX,
-        FP8_ACC=min(FP8_DOT_ACC, bk), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        FP8_ACC=fp8_dot_acc(bk), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y if split == 1 else y.sum(0).to(out_dtype)
 
 
@@ -519,6 +530,6 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torc
 
 
 __all__ = ["CONFIG_DIR", "FP8_DOT_ACC", "GEMV_IMPLS", "GEMV_MAX_M", "IMPLS", "default_gemv_config", "default_impl",
-           "default_w8a8_config", "fp8_gemv", "fp8_head_linear", "fp8_linear", "load_table",
-           "per_token_group_quant_fp8", "quantize_rows", "scaled_mm_block_supported", "scaled_mm_linear", "select_impl",
-           "table_file_name", "validate_entry", "w8a8_gemm"]
+           "default_w8a8_config", "fp8_dot_acc", "fp8_gemv", "fp8_head_linear", "fp8_linear", "group_tile_k",
+           "load_table", "per_token_group_quant_fp8", "quantize_rows", "scaled_mm_block_supported",
+           "scaled_mm_linear", "select_impl", "table_file_name", "validate_entry", "w8a8_gemm"]

@@ -32,12 +32,12 @@ so its scales are one value per 128 columns of K: they are folded into the activ
 fp8 tables are separate files (``..._fp8w_{device}.json``).
 
 fp8 experts with the activations quantised in the kernels too (w8a8, config ``"A_FP8": 1``, what
-:func:`fused_moe` picks for bf16/fp16 activations up to :data:`W8A8_MAX_TOKENS` tokens): each gathered ``[BLOCK_M, 128]`` tile of ``x`` (first kernel) or ``h`` (second) becomes
-e4m3 with one scale per row, the per-token-group rule of the dense w8a8 paths
-(:func:`glm5_kernels.fp8_linear.quantize_rows`), and ``tl.dot`` multiplies it with the e4m3 weight tile as
-loaded; each 128-wide K step's product is scaled by ``s_x[row] · s_w``. The weight tile never widens, so
-the kernels stream fp8 weights as the bf16 kernels stream bf16. Reference: ``fused_moe_ref(...,
-quant_act=True)``.
+:func:`fused_moe` picks for bf16/fp16 activations up to :data:`W8A8_MAX_TOKENS` tokens): each gathered
+``[BLOCK_M, 128]`` tile of ``x`` (first kernel) or ``h`` (second) becomes e4m3 with one scale per row, the
+per-token-group rule of the dense w8a8 paths (:func:`glm5_kernels.fp8_linear.quantize_rows`), and ``tl.dot``
+multiplies it with the e4m3 weight tile as loaded; each 128-wide K step's product is scaled by
+``s_x[row] · s_w``. The weight tile never widens, so the kernels stream fp8 weights as the bf16 kernels stream
+bf16. Reference: ``fused_moe_ref(..., quant_act=True)``.
 
 Launch configs come from a tuning table (``configs/fused_moe_E{E}_H{H}_I{I}_{dtype}_{device}.json``,
 written by ``bench/tune_fused_moe.py``), keyed by token count; the nearest entry is used, else
@@ -58,8 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from glm5_kernels import fp8_linear
-from glm5_kernels.fp8_linear import quantize_rows
+from glm5_kernels.fp8_linear import fp8_dot_acc, group_tile_k, quantize_rows
 from glm5_kernels.fp8_ref import FP8_MAX, MIN_AMAX
 
 logger = logging.getLogger(__name__)
@@ -381,7 +380,7 @@ def validate_config(cfg: dict[str, Any]) -> None:
             v = src.get(key)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"fused_moe config {key}={v!r}: must be a positive int")
-    if cfg.get("A_FP8", 1) not in (0, 1):
+    if cfg.get("A_FP8", 0) not in (0, 1):
         raise ValueError(f"fused_moe config A_FP8={cfg['A_FP8']!r}: must be 0 (fp8 weights only) or 1 (w8a8)")
     unknown = set(cfg.get("down", {})) - set(TILE_KEYS)
     if unknown:
@@ -452,6 +451,11 @@ def _fit_smem(block_m: int, block_n: int, block_k: int, stages: int, b_tiles: in
 W8A8_MAX_TOKENS = 512
 
 
+def default_a_fp8(num_tokens: int) -> int:
+    """The ``A_FP8`` :func:`fused_moe` (and the tuner) use for fp8 experts when the config has none."""
+    return int(num_tokens <= W8A8_MAX_TOKENS)
+
+
 def quantises_activations(cfg: dict[str, Any], dtype: torch.dtype, fp8_weights: bool) -> bool:
     """Whether the kernels run w8a8 (activation tiles quantised in the kernel): fp8 experts, bf16/fp16
     activations (fp32, the oracle mode, is never quantised) and the config's ``A_FP8`` (absent: 0;
@@ -459,10 +463,21 @@ def quantises_activations(cfg: dict[str, Any], dtype: torch.dtype, fp8_weights: 
     return fp8_weights and dtype != torch.float32 and bool(cfg.get("A_FP8", 0))
 
 
-def _group_tile(dim: int) -> int:
-    """BLOCK_K of a w8a8 kernel: one 128-channel activation group per K step (all of a smaller K; e4m3 dots
-    need K >= 32)."""
-    return max(32, min(FP8_BLOCK, triton.next_power_of_2(dim)))
+def _launch_tiles(cfg: dict[str, Any], n: int, k: int, block_m: int, b_tiles: int, act_dtype: torch.dtype,
+                  fp8_weights: bool) -> tuple[int, int, int, bool]:
+    """(BLOCK_N, BLOCK_K, num_stages, w8a8) of one MoE kernel over ``[n, k]`` weight tiles: the config's tiles
+    fitted to the shape; fp8 tiles at most 128 wide in N (one scale row each); in the w8a8 mode one
+    128-channel activation group per K step; then stages (and, unless w8a8, BLOCK_K) cut to shared memory."""
+    bn, bk = _fit(cfg["BLOCK_SIZE_N"], n), _fit(cfg["BLOCK_SIZE_K"], k)
+    a_fp8 = quantises_activations(cfg, act_dtype, fp8_weights)
+    if fp8_weights:
+        bn = min(bn, FP8_BLOCK)
+    if a_fp8:
+        bk = group_tile_k(k)
+    # w8a8 tiles stay e4m3 in shared memory; a widened (W8A16) tile also takes the activation's width there
+    elem = act_dtype.itemsize
+    bk, stages = _fit_smem(block_m, bn, bk, cfg["num_stages"], b_tiles, elem, 1 if a_fp8 else elem, fixed_k=a_fp8)
+    return bn, bk, stages, a_fp8
 
 
 # ----------------------------------------------------------------------------------------------
@@ -484,15 +499,7 @@ def moe_gate_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, routi
     t, hidden = x.shape
     inter = w_gate.shape[1]
     h = out if out is not None else torch.empty(t * top_k, inter, device=x.device, dtype=x.dtype)
-    bn, bk = _fit(cfg["BLOCK_SIZE_N"], inter), _fit(cfg["BLOCK_SIZE_K"], hidden)
-    a_fp8 = quantises_activations(cfg, x.dtype, scales is not None)
-    if scales is not None:
-        bn = min(bn, FP8_BLOCK)  # one scale row per weight tile
-    if a_fp8:
-        bk = _group_tile(hidden)
-    # w8a8 tiles stay e4m3 in shared memory; a widened (W8A16) tile also takes the activation's width there
-    bk, stages = _fit_smem(routing.block_m, bn, bk, cfg["num_stages"], 2, x.element_size(),
-                           1 if a_fp8 else x.element_size(), fixed_k=a_fp8)
+    bn, bk, stages, a_fp8 = _launch_tiles(cfg, inter, hidden, routing.block_m, 2, x.dtype, scales is not None)
     sg, se, sn = _scale_args(None if scales is None else scales[0], w_gate)
     su, _, _ = _scale_args(None if scales is None else scales[1], w_up)
     grid = (routing.num_blocks * triton.cdiv(inter, bn),)
@@ -503,7 +510,7 @@ def moe_gate_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, routi
         TOP_K=top_k, BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=hidden % bk == 0, IEEE=x.dtype == torch.float32, W_FP8=scales is not None, SB=FP8_BLOCK,
         A_FP8=a_fp8, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX,
-        FP8_ACC=min(fp8_linear.FP8_DOT_ACC, bk), num_warps=cfg["num_warps"], num_stages=stages)
+        FP8_ACC=fp8_dot_acc(bk), num_warps=cfg["num_warps"], num_stages=stages)
     return h
 
 
@@ -515,14 +522,7 @@ def moe_down(h: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, 
     pairs, inter = h.shape
     hidden = w_down.shape[1]
     y = out if out is not None else torch.empty(pairs, hidden, device=h.device, dtype=h.dtype)
-    bn, bk = _fit(cfg["BLOCK_SIZE_N"], hidden), _fit(cfg["BLOCK_SIZE_K"], inter)
-    a_fp8 = quantises_activations(cfg, h.dtype, scale is not None)
-    if scale is not None:
-        bn = min(bn, FP8_BLOCK)
-    if a_fp8:
-        bk = _group_tile(inter)
-    bk, stages = _fit_smem(routing.block_m, bn, bk, cfg["num_stages"], 1, h.element_size(),
-                           1 if a_fp8 else h.element_size(), fixed_k=a_fp8)
+    bn, bk, stages, a_fp8 = _launch_tiles(cfg, hidden, inter, routing.block_m, 1, h.dtype, scale is not None)
     sd, se, sn = _scale_args(scale, w_down)
     grid = (routing.num_blocks * triton.cdiv(hidden, bn),)
     _moe_down_kernel[grid](
@@ -532,7 +532,7 @@ def moe_down(h: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, 
         BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=inter % bk == 0, IEEE=h.dtype == torch.float32, W_FP8=scale is not None, SB=FP8_BLOCK,
         A_FP8=a_fp8, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX,
-        FP8_ACC=min(fp8_linear.FP8_DOT_ACC, bk), num_warps=cfg["num_warps"], num_stages=stages)
+        FP8_ACC=fp8_dot_acc(bk), num_warps=cfg["num_warps"], num_stages=stages)
     return y
 
 
@@ -610,7 +610,7 @@ def fused_moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
         config = get_config(t, top_k, e, hidden, inter, x.dtype, x.device, fp8_weights=scales is not None)
     else:
         validate_config(config)
-    config = {"A_FP8": int(t <= W8A8_MAX_TOKENS), **config}
+    config = {"A_FP8": default_a_fp8(t), **config}
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
     x = x.contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
@@ -631,5 +631,5 @@ def fused_moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
 
 __all__ = ["AlignedRouting", "align_routing", "fused_moe", "moe_align_block_size", "moe_forward_flops_bytes",
            "get_config", "default_config", "select_config", "load_config_table", "config_file_name",
-           "max_padded_rows", "moe_gate_up", "moe_down", "down_config", "quantises_activations", "W8A8_MAX_TOKENS",
-           "CONFIG_DIR"]
+           "max_padded_rows", "moe_gate_up", "moe_down", "down_config", "default_a_fp8", "quantises_activations",
+           "W8A8_MAX_TOKENS", "CONFIG_DIR"]
