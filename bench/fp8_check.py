@@ -62,9 +62,12 @@ GRAPH_MAX_M = 256
 #: GEMV tile candidates besides the default: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages).
 GEMV_CANDIDATES = [(32, 256, 1, 4, 4), (64, 128, 1, 4, 4), (32, 256, 2, 4, 4), (16, 256, 4, 4, 4)]
 #: FMA GEMV candidates at M <= 4 (BLOCK_M = M): (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages).
-FMA_CANDIDATES = [(16, 512, 1, 4, 2), (8, 512, 2, 4, 2), (16, 256, 1, 4, 3), (32, 256, 2, 8, 3)]
+FMA_CANDIDATES = [(16, 512, 1, 4, 2), (16, 512, 2, 4, 2), (16, 512, 4, 4, 2), (8, 512, 2, 4, 2), (32, 256, 2, 8, 3)]
 #: w8a8 GEMV candidates (BLOCK_K is one 128-channel group): (BLOCK_N, SPLIT_K, num_warps, num_stages).
-W8A8_GEMV_CANDIDATES = [(16, 1, 4, 3), (16, 1, 8, 3), (32, 2, 4, 4), (64, 1, 4, 4), (128, 1, 8, 3)]
+#: The 128-wide strips with a K split serve M = 16-64, where narrow strips would re-read the activation rows
+#: once per strip and wide ones alone leave most SMs idle on the N = 4096 projections.
+W8A8_GEMV_CANDIDATES = [(16, 1, 4, 3), (16, 1, 8, 3), (16, 4, 4, 3), (32, 2, 4, 4), (64, 1, 4, 4), (64, 4, 4, 3),
+                        (128, 1, 8, 3), (128, 4, 8, 3), (128, 8, 8, 3)]
 W8A16_BOUND = W8A8_BOUND = 1e-2
 W8A8_MOE_BOUND = 2e-2  # the MoE's w8a8 mode quantises twice (tests/test_kernels_fp8.py says why)
 
@@ -222,9 +225,11 @@ def time_shape(name: str, n: int, k: int, ms: list[int], deadline: float, log) -
             if n % 128 == 0 and k % 128 == 0 and fl.scaled_mm_block_supported():
                 choices["scaled_mm"] = {"impl": "scaled_mm"}
                 timed("scaled_mm", lambda: fl.fp8_linear(x, w8, s, impl={"impl": "scaled_mm"}))
-            for bm in ((64, 128) if m >= 256 else (16, 64)):
+            for bm, split in (((64, 1), (128, 1)) if m >= 256 else ((16, 1), (64, 1), (64, 4), (64, 8))):
                 cfg = {**fl.default_w8a8_config(m, n), "BLOCK_M": bm, "num_warps": 8 if bm == 128 else 4}
-                label = f"w8a8 {bm}"
+                if split > 1:
+                    cfg["SPLIT_K"] = split
+                label = f"w8a8 {bm}" + (f" split {split}" if split > 1 else "")
                 choices[label] = {"impl": "w8a8", **cfg}
                 timed(label, lambda cfg=cfg: fl.fp8_linear(x, w8, s, impl={"impl": "w8a8", **cfg}))
         fp8 = {lbl: us for lbl, us in row["us"].items() if lbl in choices}

@@ -171,7 +171,7 @@ def test_fused_moe_kernels_compile(dtype, fp8, block_m, block_k, a_fp8, stages):
 @pytest.mark.parametrize("dtype,block_m,block_n,block_k,split,bias,a_fp8", [
     ("bf16", 16, 16, 256, 1, False, False), ("bf16", 16, 64, 256, 4, True, False),
     ("bf16", 64, 128, 256, 1, True, False), ("bf16", 16, 128, 128, 1, False, True),
-    ("bf16", 64, 64, 128, 2, True, True), ("bf16", 16, 16, 32, 1, False, True)])
+    ("bf16", 64, 64, 128, 2, True, True), ("bf16", 16, 16, 32, 1, False, True), ("bf16", 64, 128, 128, 8, False, True)])
 def test_fp8_gemv_kernel_compiles(dtype, block_m, block_n, block_k, split, bias, a_fp8):
     """W8A16 tiles, and the w8a8 GEMV's (one 128-channel group per K step, or the 32-wide minimum)."""
     from glm5_kernels.fp8_linear import _fp8_gemv_kernel
@@ -192,18 +192,24 @@ def test_fp8_gemv_fma_kernel_compiles(block_m, block_n, block_k, split):
                   EVEN_K=True), num_stages=2)
 
 
+@pytest.mark.parametrize("split,out", [(2, "bf16"), (8, "fp32")])
+def test_fp8_split_sum_kernel_compiles(split, out):
+    from glm5_kernels.fp8_linear import _split_sum_kernel
+    _compile(_split_sum_kernel, dict(p_ptr="fp32", y_ptr=out), dict(SPLIT=split, BLOCK=1024))
+
+
 def test_fp8_group_quant_kernel_compiles():
     from glm5_kernels.fp8_linear import _group_quant_kernel
     _compile(_group_quant_kernel, dict(x_ptr="bf16", q_ptr="fp8e4nv", s_ptr="fp32"),
              dict(GROUP=128, FP8_MAX_=448.0, MIN_AMAX_=1e-12))
 
 
-@pytest.mark.parametrize("block_m,block_n,bias", [(64, 128, False), (128, 128, True)])
-def test_w8a8_gemm_kernel_compiles(block_m, block_n, bias):
+@pytest.mark.parametrize("block_m,block_n,bias,split", [(64, 128, False, 1), (128, 128, True, 1), (64, 128, True, 8)])
+def test_w8a8_gemm_kernel_compiles(block_m, block_n, bias, split):
     from glm5_kernels.fp8_linear import _w8a8_gemm_kernel
-    _compile(_w8a8_gemm_kernel, dict(a_ptr="fp8e4nv", as_ptr="fp32", b_ptr="fp8e4nv", bs_ptr="fp32", c_ptr="bf16",
-                                     bias_ptr="bf16" if bias else "fp32"),
-             dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, HAS_BIAS=bias))
+    _compile(_w8a8_gemm_kernel, dict(a_ptr="fp8e4nv", as_ptr="fp32", b_ptr="fp8e4nv", bs_ptr="fp32",
+                                     c_ptr="bf16" if split == 1 else "fp32", bias_ptr="bf16" if bias else "fp32"),
+             dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, HAS_BIAS=bias, SPLIT_K=split))
 
 
 @pytest.mark.parametrize("fp8", [False, True])

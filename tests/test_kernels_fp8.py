@@ -90,9 +90,10 @@ INTERPRETER_CODE = textwrap.dedent("""
         # w8a8 GEMM on the reference's quantised activations: only summation order differs
         xd = rq.double() * rs.double().repeat_interleave(128, 1)[:, :k]
         want = xd @ (wq.double() * s.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]).t()
-        got = fl.w8a8_gemm(rq, rs, wq, s, torch.float32, bias,
-                           {"BLOCK_M": 16, "BLOCK_N": 32, "GROUP_M": 2, "num_warps": 4, "num_stages": 2})
-        out[f"w8a8 m{m}"] = rel(got, want + bias.double())
+        for split in (1, 2):  # K = 300 is three 128-wide blocks: a split of 2 gives one program two, one one
+            got = fl.w8a8_gemm(rq, rs, wq, s, torch.float32, bias, {"BLOCK_M": 16, "BLOCK_N": 32, "GROUP_M": 2,
+                                                                      "num_warps": 4, "num_stages": 2, "SPLIT_K": split})
+            out[f"w8a8 m{m} s{split}"] = rel(got, want + bias.double())
     # per-head (MLA absorbed views): head grid dimension, strided head views
     wh, sh = quantize_fp8_block(torch.randn(3, 200, 140, generator=g))
     kv, kvs = quantize_fp8_block(torch.randn(3, 256, 140, generator=g))
@@ -279,7 +280,8 @@ def test_fp8_w8a8_paths_match_reference_gpu(n, k):
         rq, rs = per_token_group_quant_fp8_ref(x)
         assert torch.equal(q8.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(qs, rs)
         ref8, ref16 = w8a8_linear_ref(x, w8, s, bias), fp8_linear_ref(x, w8, s, bias)
-        impls = [{"impl": "w8a8", **fl.default_w8a8_config(m, n)}]
+        impls = [{"impl": "w8a8", **fl.default_w8a8_config(m, n)}, {"impl": "w8a8", **fl.default_w8a8_config(m, n),
+                                                                    "SPLIT_K": 4}]
         if n % 128 == 0 and k % 128 == 0 and fl.scaled_mm_block_supported():
             impls.append({"impl": "scaled_mm"})
         for impl in impls:

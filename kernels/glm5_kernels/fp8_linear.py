@@ -8,7 +8,7 @@ the format and the references). Four ways to multiply, chosen per shape (:func:`
   (``x[:, k] · s[n_blk, k // 128]``: one scale per 128 columns, and a ``BLOCK_N <= 128`` strip lies in one
   scale row) and runs ``tl.dot`` on the fp8 values widened to the activation dtype, fp32 accumulation.
   Decode reads one byte per weight instead of two; ``SPLIT_K`` > 1 splits K over programs (fp32 partial
-  sums, added in a second step) when there are too few N strips to keep every SM streaming. A head grid
+  sums, added by one :func:`split_sum` launch) when there are too few N strips to keep every SM streaming. A head grid
   dimension serves MLA's per-head ``kv_b_proj`` views (:func:`fp8_head_linear`).
 * ``gemv_fma`` - the same W8A16 product for a few rows (decode at batch 1-4) without ``tl.dot``: each e4m3
   tile is widened to fp32 in registers and multiplied into fp32 accumulators on the CUDA cores (no 16-row
@@ -23,7 +23,8 @@ the format and the references). Four ways to multiply, chosen per shape (:func:`
   per token and 128-channel group by :func:`per_token_group_quant_fp8` (scales written column-major, M padded
   to a multiple of 4, the layout cuBLAS wants); compute-efficient at large M.
 * ``w8a8`` - :func:`w8a8_gemm`, a Triton fp8 x fp8 GEMM with the same quantised activations (any N, K: the
-  KDA input projection's 24896 rows are not a multiple of 128, which ``_scaled_mm`` refuses).
+  KDA input projection's 24896 rows are not a multiple of 128, which ``_scaled_mm`` refuses), with an optional
+  ``SPLIT_K`` for the few-tile shapes of M = 64 (N = 4096 is 32 tiles of 128 columns).
 
 Selection: a measured table ``configs/fp8_linear_{device}.json`` (written by ``bench/fp8_check.py --write-table``)
 keyed by ``"N,K"`` then by M (nearest M wins), else :func:`default_impl`. Every path is free of host syncs
@@ -191,6 +192,19 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr, M, N, K,
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n < N)[None, :])
 
 
+@triton.jit(do_not_specialize=["R"])
+def _split_sum_kernel(p_ptr, y_ptr, R, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """y[r] = Σ_s p[s, r] over a K split's fp32 partials, in a fixed order, cast to y's dtype: the second step
+    of a split GEMV in one launch (``p.sum(0).to(dtype)`` is a reduction and a cast, two launches and a
+    round trip of the sum through memory). Grid cdiv(R, BLOCK)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < R
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for sk in tl.static_range(SPLIT):
+        acc += tl.load(p_ptr + sk * R + offs, mask=ok, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sk,
                         GROUP: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_AMAX_: tl.constexpr):
@@ -211,12 +225,14 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_
 
 @triton.jit(do_not_specialize=["M"])
 def _w8a8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, M, N, K,
-                      stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
+                      stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_ck, stride_cm,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      HAS_BIAS: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr = 1):
     """c = Σ over 128-wide K blocks of (a8 · b8ᵀ) · a_scale[m, kb] · b_scale[n // 128, kb] (+ bias).
-    BLOCK_K = 128 (one scale per K step); BLOCK_N divides 128 (one b scale per tile)."""
+    BLOCK_K = 128 (one scale per K step); BLOCK_N divides 128 (one b scale per tile). Grid (tiles, SPLIT_K):
+    with a split, program (t, j) writes the fp32 partial sum of its share of the K blocks to ``c[j]``."""
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     width = GROUP_M * num_n
@@ -233,8 +249,13 @@ def _w8a8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, M, N, K,
     b_ptrs = b_ptr + (offs_n % N).to(tl.int64)[None, :] * stride_bn + offs_k[:, None]
     as_ptrs = as_ptr + m_safe * stride_asm
     bs_ptrs = bs_ptr + ((pid_n * BLOCK_N) // BLOCK_K) * stride_bsn
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_blocks, SPLIT_K)
+    kb0 = pid_k * per_split
+    a_ptrs += kb0 * BLOCK_K
+    b_ptrs += kb0 * BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in range(kb0, tl.minimum(kb0 + per_split, k_blocks)):
         k_ok = offs_k < K - kb * BLOCK_K
         a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
@@ -244,8 +265,9 @@ def _w8a8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, M, N, K,
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        if pid_k == 0:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + pid_k * stride_ck + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
@@ -304,6 +326,9 @@ def validate_entry(entry: dict[str, Any]) -> None:
         v = entry.get(key)
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"fp8_linear table entry {entry}: {key}={v!r} must be a positive int")
+    split = entry.get("SPLIT_K", 1)  # optional for w8a8 (entries written before it had a K split)
+    if not isinstance(split, int) or split < 1:
+        raise ValueError(f"fp8_linear table entry {entry}: SPLIT_K={split!r} must be a positive int")
     if impl in (*GEMV_IMPLS, "w8a8") and (entry["BLOCK_N"] > BLOCK or BLOCK % entry["BLOCK_N"]):
         raise ValueError(f"fp8_linear table entry {entry}: BLOCK_N must divide {BLOCK} (one scale row per strip)")
 
@@ -373,6 +398,19 @@ def _k_split(cfg: dict[str, Any], out_shape: tuple[int, ...], out_dtype: torch.d
     return bk, split, y
 
 
+def split_sum(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``partials [S, ...]`` fp32 (contiguous) summed over S into a new ``[...]`` tensor of ``out_dtype``
+    (:func:`_split_sum_kernel`; reference ``partials.sum(0).to(out_dtype)``)."""
+    if not partials.is_contiguous():
+        raise ValueError("split_sum takes the contiguous [split, ...] partials a K-split GEMV writes")
+    y = torch.empty(partials.shape[1:], device=partials.device, dtype=out_dtype)
+    r = y.numel()
+    if r:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(r, block),)](partials, y, r, SPLIT=partials.shape[0], BLOCK=block, num_warps=4)
+    return y
+
+
 def _gemv(x3: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None, cfg: dict[str, Any],
           out_dtype: torch.dtype) -> torch.Tensor:
     """x3 [M, G, K], w [G, N, K] fp8, s [G, nb, kb] → [M, G, N]."""
@@ -391,7 +429,7 @@ def _gemv(x3: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SB=BLOCK, HAS_BIAS=bias is not None,
         EVEN_K=k % bk == 0, IEEE=x3.dtype == torch.float32, A_FP8=a_fp8, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX,
         FP8_ACC=fp8_dot_acc(bk), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return y if split == 1 else y.sum(0).to(out_dtype)
+    return y if split == 1 else split_sum(y, out_dtype)
 
 
 def _gemv_fma(x2: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None, cfg: dict[str, Any],
@@ -406,7 +444,7 @@ def _gemv_fma(x2: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Te
         x2, w, s, y, bias if bias is not None else s, m, n, k, x2.stride(0), w.stride(0), s.stride(0),
         0 if split == 1 else y.stride(0), y.stride(-2), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SB=BLOCK,
         HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return y if split == 1 else y.sum(0).to(out_dtype)
+    return y if split == 1 else split_sum(y, out_dtype)
 
 
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -461,13 +499,17 @@ def w8a8_gemm(x8: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.
     m, k = x8.shape
     n = w.shape[0]
     cfg = config or default_w8a8_config(m, n)
-    c = torch.empty(m, n, device=x8.device, dtype=out_dtype)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    split = max(1, min(cfg.get("SPLIT_K", 1), triton.cdiv(k, BLOCK)))
+    c = torch.empty(m, n, device=x8.device, dtype=out_dtype) if split == 1 else \
+        torch.empty(split, m, n, device=x8.device, dtype=torch.float32)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split)
     _w8a8_gemm_kernel[grid](x8, xs, w, scale, c, bias if bias is not None else scale, m, n, k,
-                            x8.stride(0), xs.stride(0), xs.stride(1), w.stride(0), scale.stride(0), c.stride(0),
+                            x8.stride(0), xs.stride(0), xs.stride(1), w.stride(0), scale.stride(0),
+                            0 if split == 1 else c.stride(0), c.stride(-2),
                             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK, GROUP_M=cfg["GROUP_M"],
-                            HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return c
+                            HAS_BIAS=bias is not None, SPLIT_K=split, num_warps=cfg["num_warps"],
+                            num_stages=cfg["num_stages"])
+    return c if split == 1 else split_sum(c, out_dtype)
 
 
 def scaled_mm_linear(x2: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
@@ -532,4 +574,4 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torc
 __all__ = ["CONFIG_DIR", "FP8_DOT_ACC", "GEMV_IMPLS", "GEMV_MAX_M", "IMPLS", "default_gemv_config", "default_impl",
            "default_w8a8_config", "fp8_dot_acc", "fp8_gemv", "fp8_head_linear", "fp8_linear", "group_tile_k",
            "load_table", "per_token_group_quant_fp8", "quantize_rows", "scaled_mm_block_supported",
-           "scaled_mm_linear", "select_impl", "table_file_name", "validate_entry", "w8a8_gemm"]
+           "scaled_mm_linear", "select_impl", "split_sum", "table_file_name", "validate_entry", "w8a8_gemm"]
