@@ -11,10 +11,10 @@ config, ``glm5.weights.memory``) goes into the results as ``memory``.
 Measured in the same run: device-to-device copy bandwidth and bf16 matmul peak (the ceilings);
 decode step time at batch × context (the caches are filled with random values for the context
 instead of being prefilled: a decode step's work depends on the cache sizes, not their contents);
-the roofline time per decode step (bytes the step must move — non-routed weights, the routed
-experts actually touched by this step's routing, KDA state read+write, selected latent rows,
-pooled index keys scanned — over the measured copy bandwidth; fp8 weights count one byte per weight plus
-their fp32 block scales); prefill throughput and achieved
+the roofline time per decode step (bytes the step must move — non-routed text-model weights (the
+vision tower and the embedding table are not streamed), the routed experts actually touched by this step's
+routing, KDA state read+write, selected latent rows, pooled index keys scanned — over the measured copy
+bandwidth; fp8 weights count one byte per weight plus their fp32 block scales); prefill throughput and achieved
 TFLOP/s; and transformers' glm5_next decode at batch 1 and at the largest batch it survives, on the same
 config (HF-initialised weights; its timing does not depend on weight values beyond routing), in a child
 process of the same run once the engine has released the GPU.
@@ -95,6 +95,12 @@ def _base_name(name: str) -> str:
     return name[: -len("_scale_inv")] if name.endswith("_scale_inv") else name
 
 
+def _outside_text_step(name: str) -> bool:
+    """Weights a text forward does not stream: the embedding table (a gather of one row per token) and the
+    vision tower (it runs on images only)."""
+    return name == "embed_tokens.weight" or name.startswith("visual.")
+
+
 def jsonl_logger(path: Path, echo_chars: int = 300) -> Callable[[object], None]:
     """A ``log(x)`` that appends ``x`` as one JSON line to ``path`` (flushed: a run cut short keeps what it
     measured) and echoes its first ``echo_chars`` characters to stdout (the bench tools' logs)."""
@@ -147,15 +153,16 @@ class Setup:
                                                                            "experts.down_proj"))]
         self.expert_bytes = sum(self.weights[n][0].numel() * self.weights[n].element_size() for n in self.routed
                                 if n.startswith("layers.3."))
+        # a text decode step reads neither the embedding table (one row gathered) nor the vision tower
         self.nonrouted_bytes = sum(w.numel() * w.element_size() for n, w in self.weights.items()
-                                   if n not in self.routed and n != "embed_tokens.weight")
+                                   if n not in self.routed and not _outside_text_step(n))
         # parameters (dtype-independent) for the FLOP count
         self.expert_params = sum(self.params[n] // t.n_routed_experts for n in self.params
                                  if n.startswith("layers.3.") and n.endswith(("experts.gate_proj", "experts.up_proj",
                                                                               "experts.down_proj")))
         self.nonrouted_params = sum(v for n, v in self.params.items()
                                     if not n.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj"))
-                                    and n != "embed_tokens.weight")
+                                    and not _outside_text_step(n))
         self.touched: list[int] = []
         from glm5.layers import moe as moe_mod
         orig = moe_mod.route
@@ -204,11 +211,17 @@ class Setup:
 
 
 def decode_rows(s: "Setup", b: int, ctx: int):
+    """``b`` requests at position ``ctx``, each holding the blocks a request of that length holds (the host
+    stages every block-table entry each step, so a table as long as the largest context would overstate the
+    staging of short ones)."""
     from glm5.engine.cuda_graph import DecodeRows
     g = torch.Generator().manual_seed(b * 7 + ctx)
+    held = ctx // s.bs + 1
+    if held > s.blocks_per_req:
+        raise ValueError(f"context {ctx} needs {held} blocks per request; the Setup has {s.blocks_per_req}")
     return DecodeRows(tokens=torch.randint(0, 150000, (b,), generator=g).tolist(), positions=[ctx] * b,
                       state_slots=list(range(b)),
-                      block_tables=[list(range(i * s.blocks_per_req, (i + 1) * s.blocks_per_req)) for i in range(b)])
+                      block_tables=[list(range(i * s.blocks_per_req, i * s.blocks_per_req + held)) for i in range(b)])
 
 
 def run_decode(s: "Setup", batches, ctxs, reps: int, log, graphs: bool = True) -> list[dict]:

@@ -80,7 +80,8 @@ def test_recorded_results_keep_the_schema_and_say_what_was_measured():
 TOOLS = ["bench.py", "render_results.py", "kernel_bench.py", "flashinfer_bench.py", "step_anatomy.py",
          "tune_fused_moe.py", "bf16_diag.py", "fp8_check.py", "memory_table.py", "http_front_latency.py", "prefix_cache_bench.py",
          "spec_bench.py",
-         "kernel_count.py", "kernel_check.py", "multigpu.py", "ep_dispatch.py", "distributed_order_check.py"]
+         "kernel_count.py", "kernel_check.py", "multigpu.py", "ep_dispatch.py", "distributed_order_check.py",
+         "graph_gaps.py"]
 
 
 def test_every_bench_tool_is_listed_here():

@@ -1,0 +1,162 @@
+"""Where a CUDA-graph decode step's time goes: its kernels as the graph runs them, and the gaps between them.
+
+``bench.py`` profiles the *eager* step, so "graph step minus kernel time" mixes three things: the host
+staging before the replay, the idle time between the graph's nodes, and any difference between a kernel's
+duration in the graph and eagerly. This tool separates them for one (weight dtype, batch) of the bench
+config: host staging alone, the replay's GPU span by CUDA events, and a profiler trace of replays (kernels,
+memsets and copies with their start times), from which it sums the kernel time inside the graph and each
+idle gap, and ranks the gaps by the kernel before and after them.
+
+Usage: ``python bench/graph_gaps.py OUT.json [--weight-dtype float8_e4m3fn] [--batch 1] [--ctx 1024]
+[--gemv-impl table|gemv|gemv_w8a8|gemv_fma]`` on a CUDA GPU. ``--gemv-impl`` sends every fp8 linear with at
+most 64 rows to one GEMV implementation with its default tiles instead of the measured table's choice
+(a diagnostic: does mixing implementations cost idle time between them?).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import Setup, decode_rows, median  # noqa: E402
+
+
+def force_gemv_impl(impl: str) -> None:
+    """Route fp8 linears of <= 64 rows to ``impl`` with default tiles (``table``: leave the choice alone)."""
+    if impl == "table":
+        return
+    from glm5_kernels import fp8_linear as fl
+    orig = fl.select_impl
+
+    def select(m, n, k, dtype, device):
+        if m > fl.GEMV_MAX_M or dtype == torch.float32:
+            return orig(m, n, k, dtype, device)
+        cfg = fl.default_gemv_config(m, n, k)
+        if impl == "gemv_fma":
+            cfg.update(BLOCK_M=max(1, m), BLOCK_N=16, BLOCK_K=256, num_stages=2)
+        return {**cfg, "impl": impl}
+    fl.select_impl = select
+
+
+def trace_events(prof) -> list[dict]:
+    """GPU activity of a profiler run (kernels, memsets, memcpys), sorted by start: name, cat, ts, dur (µs)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.loads(Path(f.name).read_text())["traceEvents"]
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
+    return sorted(({"name": e["name"], "cat": e["cat"], "ts": float(e["ts"]), "dur": float(e["dur"])} for e in gpu),
+                  key=lambda e: e["ts"])
+
+
+def short(name: str) -> str:
+    return name.split("(")[0].split("<")[0][:60]
+
+
+def split_steps(events: list[dict], per_step: int) -> list[list[dict]]:
+    return [events[i:i + per_step] for i in range(0, len(events) - per_step + 1, per_step)]
+
+
+def analyse(step: list[dict]) -> dict:
+    """Kernel time, idle gaps and their ranking by (previous, next) activity within one replay."""
+    gaps = collections.defaultdict(lambda: [0, 0.0])
+    per_kernel = collections.defaultdict(lambda: [0, 0.0])
+    idle = 0.0
+    for prev, nxt in zip(step, step[1:]):
+        gap = max(0.0, nxt["ts"] - (prev["ts"] + prev["dur"]))
+        idle += gap
+        key = f"{short(prev['name'])} -> {short(nxt['name'])}"
+        gaps[key][0] += 1
+        gaps[key][1] += gap
+    for e in step:
+        per_kernel[short(e["name"])][0] += 1
+        per_kernel[short(e["name"])][1] += e["dur"]
+    span = step[-1]["ts"] + step[-1]["dur"] - step[0]["ts"]
+    return {"activities": len(step), "span_us": span, "busy_us": sum(e["dur"] for e in step), "idle_us": idle,
+            "non_kernel": collections.Counter(e["cat"] for e in step if e["cat"] != "kernel"),
+            "gaps_by_pair": sorted(([k, n, round(t, 2), round(t / n, 2)] for k, (n, t) in gaps.items()),
+                                   key=lambda r: -r[2])[:25],
+            "kernels": sorted(([k, n, round(t, 2), round(t / n, 2)] for k, (n, t) in per_kernel.items()),
+                              key=lambda r: -r[2])[:25]}
+
+
+def main(args: argparse.Namespace) -> None:
+    from glm5.engine.cuda_graph import DecodeAttentionPlanner, DecodeGraphRunner, DecodeStager
+
+    force_gemv_impl(args.gemv_impl)
+    out: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
+                 "weight_dtype": args.weight_dtype, "batch": args.batch, "ctx": args.ctx, "gemv_impl": args.gemv_impl}
+    b = args.batch
+    s = Setup(b, args.ctx, args.weight_dtype)
+    s.recording = False
+    stager = DecodeStager(s.cache, b, s.blocks_per_req, torch.device("cuda"))
+    planner = DecodeAttentionPlanner(s.cfg.text, b, torch.bfloat16, torch.device("cuda"))
+    runner = DecodeGraphRunner(s.model, s.cache, stager, [b], prepare=planner)
+    runner.capture()
+    rows = decode_rows(s, b, args.ctx)
+    graph, _ = runner.graphs[b]
+    for _ in range(5):
+        runner.run(rows)
+    torch.cuda.synchronize()
+    stage, replay, step = [], [], []
+    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(30):
+        t0 = time.perf_counter()
+        stager.stage(rows, b, planner)
+        stage.append(time.perf_counter() - t0)
+        ev0.record()
+        graph.replay()
+        ev1.record()
+        torch.cuda.synchronize()
+        replay.append(ev0.elapsed_time(ev1) / 1e3)
+        t0 = time.perf_counter()
+        runner.run(rows)
+        torch.cuda.synchronize()
+        step.append(time.perf_counter() - t0)
+    out.update(host_stage_ms=median(stage) * 1e3, graph_replay_gpu_ms=median(replay) * 1e3,
+               step_ms=median(step) * 1e3)
+    # one replay alone to count its activities, then several back to back (steady state)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    per_step = len(trace_events(prof))
+    reps = 5
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+            torch.cuda.synchronize()
+    events = trace_events(prof)
+    out["activities_per_replay"] = per_step
+    steps = [analyse(st) for st in split_steps(events, per_step)] if per_step > 1 else []
+    if steps:
+        best = min(steps, key=lambda r: r["span_us"])
+        out["replays"] = [{k: r[k] for k in ("span_us", "busy_us", "idle_us")} for r in steps]
+        out["profile"] = best
+    print(json.dumps({k: v for k, v in out.items() if k != "profile"}, default=str), flush=True)
+    if steps:
+        print(json.dumps(out["profile"], default=str), flush=True)
+    args.out.write_text(json.dumps(out, indent=1, default=str))
+
+
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path, help="JSON file to write")
+    ap.add_argument("--weight-dtype", default="float8_e4m3fn", choices=("bfloat16", "float8_e4m3fn"))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--gemv-impl", default="table", choices=("table", "gemv", "gemv_w8a8", "gemv_fma"))
+    return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main(_args())
