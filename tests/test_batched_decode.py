@@ -86,3 +86,55 @@ def _cache_tensors(cache) -> dict[str, torch.Tensor]:
         for layer, t in getattr(cache, group).items():
             out[f"{group}{layer}"] = t
     return out
+
+
+def _expected_tables(tables: list[list[int]], padded: int, width: int, scratch: int) -> torch.Tensor:
+    want = torch.full((padded, width), scratch, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        want[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    return want
+
+
+def test_stager_writes_block_tables_incrementally_and_exactly():
+    """Staging writes only what changed in the host block tables, and the staged rows always equal a
+    from-scratch layout (each request's table, scratch past it, padding rows all scratch): lists that grow,
+    lists replaced by new ones (preemption, a finished request's row reused), shorter tables on a row that
+    held a longer one, one list on several rows (verification), a batch that shrinks and grows again."""
+    import types
+    cache = types.SimpleNamespace(block_size=4, scratch_block=99, scratch_slot=7)
+    st = DecodeStager(cache, max_batch=6, max_blocks=8, device=torch.device("cpu"))
+    a, b, c = [1, 2], [10, 11, 12], [20]
+    steps = [
+        ([a, b, c], 4),
+        "grow",                    # a and b gain a block in place (KV cache manager extend)
+        ([b, a], 4),               # rows swap: each row now holds another list
+        ([b, b, b, c], 5),         # one list on three rows (k + 1 verification rows)
+        ([[5]], 2),                # a short new list where long ones were
+        ([c, a, b], 6),            # the batch grows again over rows that held padding
+        ([list(a), b], 2),         # an equal but new list object
+    ]
+    for step in steps:
+        if step == "grow":
+            a.append(3)
+            b.append(13)
+            tables, padded = [a, b, c], 4
+        else:
+            tables, padded = step
+        rows = DecodeRows(tokens=[0] * len(tables), positions=[len(t) * 4 - 1 for t in tables],
+                          state_slots=list(range(len(tables))), block_tables=tables)
+        batch = st.stage(rows, padded)
+        want = _expected_tables(tables, padded, 8, 99)
+        assert torch.equal(st.host_bt[:padded], want), (step, st.host_bt[:padded], want)
+        assert torch.equal(batch.decode.block_tables, want), step
+        # the latent slot of each row's token: last entry of its table
+        assert batch.decode.slot_mapping[: len(tables)].tolist() == [t[-1] * 4 + 3 for t in tables]
+    # an unchanged list is not rewritten: a poked entry survives the next step; a grown one gets its tail only
+    d = [30, 31]
+    rows = DecodeRows(tokens=[0], positions=[7], state_slots=[0], block_tables=[d])
+    st.stage(rows, 1)
+    st.host_bt[0, 0] = -5
+    st.stage(rows, 1)
+    assert st.host_bt[0, :3].tolist() == [-5, 31, 99]
+    d.append(32)
+    st.stage(DecodeRows(tokens=[0], positions=[11], state_slots=[0], block_tables=[d]), 1)
+    assert st.host_bt[0, :4].tolist() == [-5, 31, 32, 99]
