@@ -224,6 +224,45 @@ def decode_rows(s: "Setup", b: int, ctx: int):
                       block_tables=[list(range(i * s.blocks_per_req, i * s.blocks_per_req + held)) for i in range(b)])
 
 
+def captured_decode(s: "Setup", b: int, ctx: int):
+    """A CUDA graph of the batch-``b`` decode step alone, captured and replayed a few times on ``b`` requests at
+    ``ctx``: ``(stager, planner, runner, rows, graph)``."""
+    from glm5.engine.cuda_graph import DecodeAttentionPlanner, DecodeGraphRunner, DecodeStager
+    s.recording = False
+    stager = DecodeStager(s.cache, b, s.blocks_per_req, torch.device("cuda"))
+    planner = DecodeAttentionPlanner(s.cfg.text, b, torch.bfloat16, torch.device("cuda"))
+    runner = DecodeGraphRunner(s.model, s.cache, stager, [b], prepare=planner)
+    runner.capture()
+    rows = decode_rows(s, b, ctx)
+    for _ in range(5):
+        runner.run(rows)
+    torch.cuda.synchronize()
+    return stager, planner, runner, rows, runner.graphs[b][0]
+
+
+def graph_step_anatomy(captured, reps: int) -> dict:
+    """Medians over ``reps`` steps of (a) host staging alone, (b) the graph replay's GPU span by CUDA events
+    (its kernels plus the gaps between them), (c) the whole step as :func:`run_decode` times it."""
+    stager, planner, runner, rows, graph = captured
+    stage, replay, step = [], [], []
+    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        stager.stage(rows, len(rows), planner)
+        stage.append(time.perf_counter() - t0)
+        ev0.record()
+        graph.replay()
+        ev1.record()
+        torch.cuda.synchronize()
+        replay.append(ev0.elapsed_time(ev1) / 1e3)
+        t0 = time.perf_counter()
+        runner.run(rows)
+        torch.cuda.synchronize()
+        step.append(time.perf_counter() - t0)
+    return {"host_stage_ms": median(stage) * 1e3, "graph_replay_gpu_ms": median(replay) * 1e3,
+            "step_ms": median(step) * 1e3}
+
+
 def run_decode(s: "Setup", batches, ctxs, reps: int, log, graphs: bool = True) -> list[dict]:
     """Decode steps through the engine's batched path: eager (one launch per kernel) and replayed as a
     CUDA graph (what the engine runs), on the same staged inputs."""

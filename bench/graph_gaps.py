@@ -21,13 +21,12 @@ import datetime
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import Setup, decode_rows, median  # noqa: E402
+from bench import Setup, captured_decode, graph_step_anatomy  # noqa: E402
 
 
 def force_gemv_impl(impl: str) -> None:
@@ -89,41 +88,15 @@ def analyse(step: list[dict]) -> dict:
 
 
 def main(args: argparse.Namespace) -> None:
-    from glm5.engine.cuda_graph import DecodeAttentionPlanner, DecodeGraphRunner, DecodeStager
-
     force_gemv_impl(args.gemv_impl)
     out: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                  "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
                  "weight_dtype": args.weight_dtype, "batch": args.batch, "ctx": args.ctx, "gemv_impl": args.gemv_impl}
     b = args.batch
     s = Setup(b, args.ctx, args.weight_dtype)
-    s.recording = False
-    stager = DecodeStager(s.cache, b, s.blocks_per_req, torch.device("cuda"))
-    planner = DecodeAttentionPlanner(s.cfg.text, b, torch.bfloat16, torch.device("cuda"))
-    runner = DecodeGraphRunner(s.model, s.cache, stager, [b], prepare=planner)
-    runner.capture()
-    rows = decode_rows(s, b, args.ctx)
-    graph, _ = runner.graphs[b]
-    for _ in range(5):
-        runner.run(rows)
-    torch.cuda.synchronize()
-    stage, replay, step = [], [], []
-    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(30):
-        t0 = time.perf_counter()
-        stager.stage(rows, b, planner)
-        stage.append(time.perf_counter() - t0)
-        ev0.record()
-        graph.replay()
-        ev1.record()
-        torch.cuda.synchronize()
-        replay.append(ev0.elapsed_time(ev1) / 1e3)
-        t0 = time.perf_counter()
-        runner.run(rows)
-        torch.cuda.synchronize()
-        step.append(time.perf_counter() - t0)
-    out.update(host_stage_ms=median(stage) * 1e3, graph_replay_gpu_ms=median(replay) * 1e3,
-               step_ms=median(step) * 1e3)
+    captured = captured_decode(s, b, args.ctx)
+    graph = captured[-1]
+    out.update(graph_step_anatomy(captured, reps=30))
     # one replay alone to count its activities, then several back to back (steady state)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         graph.replay()

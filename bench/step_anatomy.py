@@ -20,45 +20,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import Setup, decode_rows, kernel_profile, median, prefill_once  # noqa: E402
+from bench import Setup, captured_decode, graph_step_anatomy, kernel_profile, prefill_once  # noqa: E402
 
 
 def main(out_path: Path) -> None:
-    from glm5.engine.cuda_graph import DecodeAttentionPlanner, DecodeGraphRunner, DecodeStager
-
     out: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                  "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv)}
     s = Setup(1, 32768)
-    s.recording = False
-    stager = DecodeStager(s.cache, 1, s.blocks_per_req, torch.device("cuda"))
-    planner = DecodeAttentionPlanner(s.cfg.text, 1, torch.bfloat16, torch.device("cuda"))
-    runner = DecodeGraphRunner(s.model, s.cache, stager, [1], prepare=planner)
-    runner.capture()
-    rows = decode_rows(s, 1, 1024)
-    graph, _ = runner.graphs[1]
-    for _ in range(5):
-        runner.run(rows)
-    torch.cuda.synchronize()
-    stage, replay, step = [], [], []
-    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(50):
-        t0 = time.perf_counter()
-        stager.stage(rows, 1, planner)
-        stage.append(time.perf_counter() - t0)
-        ev0.record()
-        graph.replay()
-        ev1.record()
-        torch.cuda.synchronize()
-        replay.append(ev0.elapsed_time(ev1) / 1e3)
-        t0 = time.perf_counter()
-        runner.run(rows)
-        torch.cuda.synchronize()
-        step.append(time.perf_counter() - t0)
+    captured = captured_decode(s, 1, 1024)
+    stager, planner, _, rows, _ = captured
+    anatomy = graph_step_anatomy(captured, reps=50)
     prof = kernel_profile(s, lambda: s.model.forward(stager.stage(rows, 1, planner), s.cache),
                           Path("/tmp/step_anatomy_profile.txt"))
-    out["decode_b1_ctx1024"] = {"host_stage_ms": median(stage) * 1e3, "graph_replay_gpu_ms": median(replay) * 1e3,
-                                "step_ms": median(step) * 1e3, "kernels": prof["cuda_kernels"],
-                                "kernel_time_ms": prof["kernel_time_s"] * 1e3}
+    out["decode_b1_ctx1024"] = {**anatomy, "kernels": prof["cuda_kernels"], "kernel_time_ms": prof["kernel_time_s"] * 1e3}
     print(json.dumps(out), flush=True)
     prefill_once(s, 8192, 4096)
     torch.cuda.synchronize()
