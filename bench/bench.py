@@ -211,9 +211,8 @@ class Setup:
 
 
 def decode_rows(s: "Setup", b: int, ctx: int):
-    """``b`` requests at position ``ctx``, each holding the blocks a request of that length holds (the host
-    stages every block-table entry each step, so a table as long as the largest context would overstate the
-    staging of short ones)."""
+    """``b`` requests at position ``ctx``, each holding the blocks the engine grants a request of that length
+    (``ctx // block_size + 1``), so the kernels and the staging see the tables a real batch has."""
     from glm5.engine.cuda_graph import DecodeRows
     g = torch.Generator().manual_seed(b * 7 + ctx)
     held = ctx // s.bs + 1

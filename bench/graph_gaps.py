@@ -9,8 +9,8 @@ idle gap, and ranks the gaps by the kernel before and after them.
 
 Usage: ``python bench/graph_gaps.py OUT.json [--weight-dtype float8_e4m3fn] [--batch 1] [--ctx 1024]
 [--gemv-impl table|gemv|gemv_w8a8|gemv_fma]`` on a CUDA GPU. ``--gemv-impl`` sends every fp8 linear with at
-most 64 rows to one GEMV implementation with its default tiles instead of the measured table's choice
-(a diagnostic: does mixing implementations cost idle time between them?).
+most 64 rows (the FMA GEMV: at most 4) to one GEMV implementation with its default tiles instead of the
+measured table's choice (a diagnostic: does mixing implementations cost idle time between them?).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def force_gemv_impl(impl: str) -> None:
     orig = fl.select_impl
 
     def select(m, n, k, dtype, device):
-        if m > fl.GEMV_MAX_M or dtype == torch.float32:
-            return orig(m, n, k, dtype, device)
+        if m > fl.GEMV_MAX_M or dtype == torch.float32 or (impl == "gemv_fma" and m > 4):
+            return orig(m, n, k, dtype, device)  # the FMA GEMV's 3D accumulator holds a few rows only
         cfg = fl.default_gemv_config(m, n, k)
         if impl == "gemv_fma":
             cfg.update(BLOCK_M=max(1, m), BLOCK_N=16, BLOCK_K=256, num_stages=2)

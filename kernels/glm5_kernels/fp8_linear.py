@@ -60,6 +60,8 @@ FP8_DOT_ACC = 32
 #: Largest M the default sends to the GEMV kernel: beyond it the w8a8 GEMMs (quantised activations, fp8
 #: tensor cores) win on the H200 measurements in the reference doc (``_scaled_mm`` 1.5-1.6x bf16 at M=4096).
 GEMV_MAX_M = 64
+#: Largest M at which the w8a8 GEMM honours a table entry's ``SPLIT_K`` (above it the M tiles fill the GPU).
+W8A8_SPLIT_MAX_M = 256
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,7 +153,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr,
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + pid_k * stride_yk + g * stride_yg + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    y_ptrs = y_ptr + pid_k.to(tl.int64) * stride_yk + g * stride_yg + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n < N)[None, :])
 
 
@@ -188,7 +190,7 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr, M, N, K,
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + pid_k * stride_yk + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    y_ptrs = y_ptr + pid_k.to(tl.int64) * stride_yk + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n < N)[None, :])
 
 
@@ -197,11 +199,11 @@ def _split_sum_kernel(p_ptr, y_ptr, R, SPLIT: tl.constexpr, BLOCK: tl.constexpr)
     """y[r] = Σ_s p[s, r] over a K split's fp32 partials, in a fixed order, cast to y's dtype: the second step
     of a split GEMV in one launch (``p.sum(0).to(dtype)`` is a reduction and a cast, two launches and a
     round trip of the sum through memory). Grid cdiv(R, BLOCK)."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < R
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for sk in tl.static_range(SPLIT):
-        acc += tl.load(p_ptr + sk * R + offs, mask=ok, other=0.0)
+        acc += tl.load(p_ptr + R.to(tl.int64) * sk + offs, mask=ok, other=0.0)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
@@ -267,7 +269,7 @@ def _w8a8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, M, N, K,
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + pid_k * stride_ck + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    c_ptrs = c_ptr + pid_k.to(tl.int64) * stride_ck + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
@@ -499,7 +501,9 @@ def w8a8_gemm(x8: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.
     m, k = x8.shape
     n = w.shape[0]
     cfg = config or default_w8a8_config(m, n)
-    split = max(1, min(cfg.get("SPLIT_K", 1), triton.cdiv(k, BLOCK)))
+    # a K split serves few-tile shapes at decode sizes; a table entry measured there may be the nearest one for
+    # a prefill, where the fp32 partials would take split x M x N x 4 bytes for nothing
+    split = max(1, min(cfg.get("SPLIT_K", 1), triton.cdiv(k, BLOCK))) if m <= W8A8_SPLIT_MAX_M else 1
     c = torch.empty(m, n, device=x8.device, dtype=out_dtype) if split == 1 else \
         torch.empty(split, m, n, device=x8.device, dtype=torch.float32)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split)
@@ -571,7 +575,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torc
     return y.reshape(*x.shape[:-1], n)
 
 
-__all__ = ["CONFIG_DIR", "FP8_DOT_ACC", "GEMV_IMPLS", "GEMV_MAX_M", "IMPLS", "default_gemv_config", "default_impl",
-           "default_w8a8_config", "fp8_dot_acc", "fp8_gemv", "fp8_head_linear", "fp8_linear", "group_tile_k",
-           "load_table", "per_token_group_quant_fp8", "quantize_rows", "scaled_mm_block_supported",
-           "scaled_mm_linear", "select_impl", "split_sum", "table_file_name", "validate_entry", "w8a8_gemm"]
+__all__ = ["CONFIG_DIR", "FP8_DOT_ACC", "GEMV_IMPLS", "GEMV_MAX_M", "IMPLS", "W8A8_SPLIT_MAX_M",
+           "default_gemv_config", "default_impl", "default_w8a8_config", "fp8_dot_acc", "fp8_gemv", "fp8_head_linear",
+           "fp8_linear", "group_tile_k", "load_table", "per_token_group_quant_fp8", "quantize_rows",
+           "scaled_mm_block_supported", "scaled_mm_linear", "select_impl", "split_sum", "table_file_name",
+           "validate_entry", "w8a8_gemm"]

@@ -50,7 +50,8 @@ class DecodeRows:
 
     ``block_tables`` are the requests' own lists, which the KV cache manager only ever extends or replaces:
     :class:`DecodeStager` relies on that to write only the entries a row's list gained since it last staged
-    that same list."""
+    that same list. (Worker ranks of a multi-process executor receive unpickled copies each step, so they
+    rewrite whole tables: correct, without the saving.)"""
 
     tokens: list[int]
     positions: list[int]
