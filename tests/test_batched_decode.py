@@ -138,3 +138,31 @@ def test_stager_writes_block_tables_incrementally_and_exactly():
     d.append(32)
     st.stage(DecodeRows(tokens=[0], positions=[11], state_slots=[0], block_tables=[d]), 1)
     assert st.host_bt[0, :4].tolist() == [-5, 31, 32, 99]
+
+
+def test_stager_matches_a_from_scratch_layout_under_random_steps():
+    """Random steps (tables growing in place, replaced, shared by rows, batches shrinking and growing, rows
+    past a table's blocks): the staged block tables and latent slots equal what a full rewrite gives."""
+    import random
+    import types
+    rng = random.Random(0)
+    bs = 4
+    cache = types.SimpleNamespace(block_size=bs, scratch_block=99, scratch_slot=7)
+    for trial in range(100):
+        width, max_batch = rng.randint(1, 10), rng.randint(1, 8)
+        st = DecodeStager(cache, max_batch, width, torch.device("cpu"))
+        pool = [[rng.randint(0, 50) for _ in range(rng.randint(0, width))] for _ in range(6)]
+        for step in range(30):
+            for t in pool:
+                if rng.random() < 0.3 and len(t) < width:
+                    t.append(rng.randint(0, 50))
+            if rng.random() < 0.2:
+                pool[rng.randrange(6)] = [rng.randint(0, 50) for _ in range(rng.randint(0, width))]
+            n = rng.randint(0, max_batch)
+            padded = rng.randint(n, max_batch)
+            tables = [rng.choice(pool) for _ in range(n)]
+            positions = [rng.randint(0, width * bs + 3) for _ in range(n)]
+            st.stage(DecodeRows([0] * n, positions, list(range(n)), tables), padded)
+            assert torch.equal(st.host_bt[:padded], _expected_tables(tables, padded, width, 99)), (trial, step)
+            slots = [t[p // bs] * bs + p % bs if p // bs < len(t) else 99 * bs for t, p in zip(tables, positions)]
+            assert st.host_i64[3, :padded].tolist() == slots + [99 * bs] * (padded - n), (trial, step)

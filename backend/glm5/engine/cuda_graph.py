@@ -22,10 +22,12 @@ bucket may stream a few more experts than its real rows need.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from glm5.cache.hybrid_cache import HybridCache
@@ -73,7 +75,8 @@ class DecodeStager:
         self.host_bt = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=pin)
         self.host_bt.fill_(cache.scratch_block)
         # per host row: the block-table list written there and how many of its entries (past them: scratch)
-        self._staged: list[tuple[list[int] | None, int]] = [(None, 0)] * max_batch
+        self._staged_lists: list[list[int] | None] = [None] * max_batch
+        self._staged_lens: list[int] = [0] * max_batch
         self.dev_i64 = torch.zeros(5, max_batch, dtype=torch.int64, device=device)
         self.dev_bt = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(max_batch, dtype=torch.int64, device=device)
@@ -96,7 +99,8 @@ class DecodeStager:
             raise ValueError(f"decode batch of {n} rows padded to {padded}: must be <= max batch {self.max_batch}")
         if padded % rows_per_seq or n % rows_per_seq:
             raise ValueError(f"{n} rows padded to {padded} are not whole requests of {rows_per_seq} rows")
-        longest = max((len(bt) for bt in rows.block_tables), default=0)
+        lens = list(map(len, rows.block_tables))
+        longest = max(lens, default=0)
         if longest > self.max_blocks:
             raise ValueError(f"a request holds {longest} blocks but the decode buffers have {self.max_blocks} "
                              "columns (max_model_len / block_size); raise max_model_len")
@@ -108,10 +112,13 @@ class DecodeStager:
         h[0, :n] = rows.tokens
         h[1, :n] = rows.positions
         h[2, :n] = rows.state_slots
-        self._write_block_tables(bt, rows.block_tables, padded)
-        for i, (table, pos) in enumerate(zip(rows.block_tables, rows.positions)):
+        self._write_block_tables(bt, rows.block_tables, lens, padded)
+        if n:  # each row's latent slot: its block's row for the position, the scratch row past its blocks
+            pos = h[1, :n]
             blk = pos // bs
-            h[3, i] = table[blk] * bs + pos % bs if blk < len(table) else self._pad_slot
+            held = np.asarray(lens)
+            rows_blk = bt[np.arange(n), np.minimum(blk, np.maximum(held, 1) - 1)].astype(np.int64)
+            h[3, :n] = np.where(blk < held, rows_blk * bs + pos % bs, self._pad_slot)
         h[0, n:padded] = 0
         h[1, n:padded] = 0
         h[2, n:padded] = self.cache.scratch_slot
@@ -129,27 +136,32 @@ class DecodeStager:
             self._copied.record(torch.cuda.current_stream(self.device))
         return batch
 
-    def _write_block_tables(self, bt, tables: list[list[int]], padded: int) -> None:
+    def _write_block_tables(self, bt, tables: list[list[int]], lens: list[int], padded: int) -> None:
         """Make host rows ``[0, padded)`` hold ``tables`` (padding rows: all scratch), writing only what
         changed. A row that staged the same list object before gets just the entries appended since (one
-        per 64 tokens of a decoding request), any other row its whole table; converting every entry of every
-        table each step cost ~30 ns per entry on the host, on the critical path (0.25 ms at batch 64 and 8K
-        context). Entries past a row's table are the scratch block, as the kernels expect of unused columns."""
+        per 64 tokens of a decoding request), any other row its whole table: converting every entry of every
+        table each step costs ~30 ns per entry on the host, on the critical path. Entries past a row's table
+        are the scratch block, as the kernels expect of unused columns. The unchanged rows, nearly all of a
+        decoding batch, are found by C-level comparisons (identity and length), not a Python loop per row."""
+        n = len(tables)
+        staged, written = self._staged_lists, self._staged_lens
+        new_tables = tables + [None] * (padded - n)
+        new_lens = lens + [0] * (padded - n)
+        if new_lens == written[:padded] and all(map(operator.is_, new_tables, staged[:padded])):
+            return
         scratch = self.cache.scratch_block
-        staged = self._staged
-        for i in range(padded):
-            table = tables[i] if i < len(tables) else None
-            prev, written = staged[i]
-            n = len(table) if table is not None else 0
-            if table is not None and table is prev and n >= written:
-                if n > written:
-                    bt[i, written:n] = table[written:]
+        changed = [i for i, (t, p, m, w) in enumerate(zip(new_tables, staged, new_lens, written))
+                   if t is not p or m != w]
+        for i in changed:
+            table, prev, m, w = new_tables[i], staged[i], new_lens[i], written[i]
+            if table is not None and table is prev and m > w:
+                bt[i, w:m] = table[w:]
             else:
-                if n:
-                    bt[i, :n] = table
-                if written > n:
-                    bt[i, n:written] = scratch
-            staged[i] = (table, n)
+                if m:
+                    bt[i, :m] = table
+                if w > m:
+                    bt[i, m:w] = scratch
+            staged[i], written[i] = table, m
 
     def view(self, b: int, positions_host: list[int] | None = None, rows_per_seq: int = 1,
              n_logits: int | None = None, verify=None) -> ForwardBatch:
