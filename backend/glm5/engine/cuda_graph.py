@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 
 from glm5.cache.hybrid_cache import HybridCache
@@ -113,12 +112,9 @@ class DecodeStager:
         h[1, :n] = rows.positions
         h[2, :n] = rows.state_slots
         self._write_block_tables(bt, rows.block_tables, lens, padded)
-        if n:  # each row's latent slot: its block's row for the position, the scratch row past its blocks
-            pos = h[1, :n]
-            blk = pos // bs
-            held = np.asarray(lens)
-            rows_blk = bt[np.arange(n), np.minimum(blk, np.maximum(held, 1) - 1)].astype(np.int64)
-            h[3, :n] = np.where(blk < held, rows_blk * bs + pos % bs, self._pad_slot)
+        pad = self._pad_slot  # each row's latent slot: its block's row for the position, scratch past its blocks
+        h[3, :n] = [t[p // bs] * bs + p % bs if p // bs < len(t) else pad
+                    for t, p in zip(rows.block_tables, rows.positions)]
         h[0, n:padded] = 0
         h[1, n:padded] = 0
         h[2, n:padded] = self.cache.scratch_slot
@@ -141,27 +137,28 @@ class DecodeStager:
         changed. A row that staged the same list object before gets just the entries appended since (one
         per 64 tokens of a decoding request), any other row its whole table: converting every entry of every
         table each step costs ~30 ns per entry on the host, on the critical path. Entries past a row's table
-        are the scratch block, as the kernels expect of unused columns. The unchanged rows, nearly all of a
-        decoding batch, are found by C-level comparisons (identity and length), not a Python loop per row."""
+        are the scratch block, as the kernels expect of unused columns. A step whose rows all hold the lists
+        and lengths they held last step (most decode steps) is recognised by C-level comparisons alone."""
         n = len(tables)
         staged, written = self._staged_lists, self._staged_lens
-        new_tables = tables + [None] * (padded - n)
-        new_lens = lens + [0] * (padded - n)
-        if new_lens == written[:padded] and all(map(operator.is_, new_tables, staged[:padded])):
-            return
         scratch = self.cache.scratch_block
-        changed = [i for i, (t, p, m, w) in enumerate(zip(new_tables, staged, new_lens, written))
-                   if t is not p or m != w]
-        for i in changed:
-            table, prev, m, w = new_tables[i], staged[i], new_lens[i], written[i]
-            if table is not None and table is prev and m > w:
-                bt[i, w:m] = table[w:]
-            else:
-                if m:
+        if lens != written[:n] or not all(map(operator.is_, tables, staged)):
+            for i, (table, m) in enumerate(zip(tables, lens)):
+                w = written[i]
+                if table is staged[i] and m >= w:
+                    if m == w:
+                        continue
+                    bt[i, w:m] = table[w:]
+                else:
                     bt[i, :m] = table
-                if w > m:
-                    bt[i, m:w] = scratch
-            staged[i], written[i] = table, m
+                    if w > m:
+                        bt[i, m:w] = scratch
+                staged[i], written[i] = table, m
+        for i in range(n, padded):  # padding rows
+            if written[i]:
+                bt[i, : written[i]] = scratch
+                written[i] = 0
+            staged[i] = None
 
     def view(self, b: int, positions_host: list[int] | None = None, rows_per_seq: int = 1,
              n_logits: int | None = None, verify=None) -> ForwardBatch:
