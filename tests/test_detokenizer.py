@@ -344,3 +344,55 @@ def test_abort(tok: PreTrainedTokenizerFast) -> None:
     proc = RequestOutputProcessor(tok, [], SamplingParams(), [tok.eos_token_id])
     proc.add_tokens(tok.encode("a"))
     assert proc.abort().finish_reason is FinishReason.ABORT and FinishReason.ABORT == "abort"
+
+
+class _DecodeOnly:
+    """Only ``decode``: the detokenizer's window path (no ``backend_tokenizer`` to stream with)."""
+
+    def __init__(self, inner: PreTrainedTokenizerFast) -> None:
+        self.inner = inner
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False, **kw: Any) -> str:
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens, **kw)
+
+
+@pytest.mark.parametrize("metaspace", [False, True])
+def test_library_stream_gives_the_window_paths_deltas(metaspace: bool) -> None:
+    """With a fast tokenizer the deltas come from ``tokenizers``' DecodeStream; token by token and in random
+    chunks, with and without special tokens, they add up to the text the whole sequence decodes to after the
+    prompt, and the stream makes no HF ``decode`` call per token. Byte-level BPE: the window path gives the
+    same text and the stream emits it no later. (Metaspace after a skipped special token: the window path,
+    whose context then decodes to nothing, drops the next token's leading space; the stream keeps it, as the
+    whole sequence's decode does.)"""
+    tk = _make_tokenizer(metaspace=metaspace)
+    rng = random.Random(3)
+    prompt = tk.encode("the quick <|user|> brown")
+    for skip in (True, False):
+        for text in _TEXTS + ["<|user|>" + _TEXTS[1] + "<|endoftext|> tail", " ".join(_CORPUS)]:
+            ids = tk.encode(text)
+            chunks = [1] * len(ids)
+            if rng.random() < 0.5:
+                chunks, left = [], len(ids)
+                while left:
+                    chunks.append(min(left, rng.randint(1, 4)))
+                    left -= chunks[-1]
+            fast = _stream(tk, prompt, ids, chunks, skip)
+            assert "".join(fast) == _decode(tk, prompt + ids, skip)[len(_decode(tk, prompt, skip)):], (text, skip)
+            if not metaspace:
+                window = _stream(_DecodeOnly(tk), prompt, ids, chunks, skip)
+                assert "".join(window) == "".join(fast)
+                for k in range(len(fast)):
+                    assert "".join(fast[: k + 1]).startswith("".join(window[: k + 1])), (text, k)
+    calls = []
+    orig = tk.decode
+    tk.decode = lambda *a, **kw: calls.append(1) or orig(*a, **kw)  # type: ignore[method-assign]
+    try:
+        d = IncrementalDetokenizer(tk, prompt)
+        before = len(calls)
+        ids = tk.encode(_TEXTS[0] * 4)
+        for i in ids:
+            d.add_tokens([i])
+        assert len(calls) == before
+    finally:
+        tk.decode = orig  # type: ignore[method-assign]
+    assert d.output_text == _decode(tk, prompt + ids)[len(_decode(tk, prompt)):]
