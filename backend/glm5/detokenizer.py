@@ -110,8 +110,14 @@ class IncrementalDetokenizer:
         self.output_text = ""
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._backend = backend if _DecodeStream is not None and isinstance(backend, _RustTokenizer) else None
-        # the library's streaming decoder, its context the prompt's tail as the window's
-        self._stream = None if self._backend is None else _DecodeStream(ids=context, skip_special_tokens=self._skip)
+        # the library's streaming decoder, its context the prompt's tail as the window's (a tokenizers release
+        # whose DecodeStream takes no context ids keeps the window path)
+        self._stream = None
+        if self._backend is not None:
+            try:
+                self._stream = _DecodeStream(ids=context, skip_special_tokens=self._skip)
+            except TypeError:
+                self._backend = None
 
     @property
     def _prefix_text(self) -> str:
