@@ -396,3 +396,16 @@ def test_library_stream_gives_the_window_paths_deltas(metaspace: bool) -> None:
     finally:
         tk.decode = orig  # type: ignore[method-assign]
     assert d.output_text == _decode(tk, prompt + ids)[len(_decode(tk, prompt)):]
+
+
+def test_a_context_ending_mid_character_is_not_emitted(tok: PreTrainedTokenizerFast) -> None:
+    """A prompt cut inside a character, or whose text ends in U+FFFD before skipped special tokens: the output
+    is what the window path gives (the context's text is never part of it)."""
+    ids = tok.encode("Hello 😀 end")
+    cut = tok.encode("abc 😀😀")
+    prompts = [cut[: next(k for k in range(1, len(cut)) if _decode(tok, cut[:k]).endswith("\ufffd"))],
+               [tok.convert_tokens_to_ids("<|user|>")] + tok.encode("what is this \ufffd")
+               + [tok.convert_tokens_to_ids("<|assistant|>")]]
+    for prompt in prompts:
+        for chunks in (None, [3] * (len(ids) // 3) + [len(ids) % 3] * bool(len(ids) % 3)):
+            assert "".join(_stream(tok, prompt, ids, chunks)) == "".join(_stream(_DecodeOnly(tok), prompt, ids, chunks))
