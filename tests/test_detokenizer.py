@@ -156,7 +156,8 @@ def test_invalid_bytes_are_flushed_and_work_stays_bounded(tok: PreTrainedTokeniz
 
 
 class _CountingTokenizer:
-    """Wraps a tokenizer and records how many ids each decode call sees."""
+    """Wraps a tokenizer and records how many ids each decode call sees (it has only ``decode``, so the
+    detokenizer takes its window path: no ``backend_tokenizer`` to stream with)."""
 
     def __init__(self, inner: PreTrainedTokenizerFast) -> None:
         self.inner = inner
@@ -346,16 +347,6 @@ def test_abort(tok: PreTrainedTokenizerFast) -> None:
     assert proc.abort().finish_reason is FinishReason.ABORT and FinishReason.ABORT == "abort"
 
 
-class _DecodeOnly:
-    """Only ``decode``: the detokenizer's window path (no ``backend_tokenizer`` to stream with)."""
-
-    def __init__(self, inner: PreTrainedTokenizerFast) -> None:
-        self.inner = inner
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False, **kw: Any) -> str:
-        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens, **kw)
-
-
 @pytest.mark.parametrize("metaspace", [False, True])
 def test_library_stream_gives_the_window_paths_deltas(metaspace: bool) -> None:
     """With a fast tokenizer the deltas come from ``tokenizers``' DecodeStream; token by token and in random
@@ -379,7 +370,7 @@ def test_library_stream_gives_the_window_paths_deltas(metaspace: bool) -> None:
             fast = _stream(tk, prompt, ids, chunks, skip)
             assert "".join(fast) == _decode(tk, prompt + ids, skip)[len(_decode(tk, prompt, skip)):], (text, skip)
             if not metaspace:
-                window = _stream(_DecodeOnly(tk), prompt, ids, chunks, skip)
+                window = _stream(_CountingTokenizer(tk), prompt, ids, chunks, skip)
                 assert "".join(window) == "".join(fast)
                 for k in range(len(fast)):
                     assert "".join(fast[: k + 1]).startswith("".join(window[: k + 1])), (text, k)
@@ -408,4 +399,5 @@ def test_a_context_ending_mid_character_is_not_emitted(tok: PreTrainedTokenizerF
                + [tok.convert_tokens_to_ids("<|assistant|>")]]
     for prompt in prompts:
         for chunks in (None, [3] * (len(ids) // 3) + [len(ids) % 3] * bool(len(ids) % 3)):
-            assert "".join(_stream(tok, prompt, ids, chunks)) == "".join(_stream(_DecodeOnly(tok), prompt, ids, chunks))
+            window = _stream(_CountingTokenizer(tok), prompt, ids, chunks)
+            assert "".join(_stream(tok, prompt, ids, chunks)) == "".join(window)

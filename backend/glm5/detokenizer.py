@@ -112,10 +112,9 @@ class IncrementalDetokenizer:
         self.output_text = ""
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._backend = backend if _DecodeStream is not None and isinstance(backend, _RustTokenizer) else None
-        # the library's streaming decoder, its context the prompt's tail as the window's (a tokenizers release
-        # whose DecodeStream takes no context ids keeps the window path)
-        # A context whose text ends mid-character (a prompt cut inside a character, or garbled text) keeps the
-        # window path too: DecodeStream then ignores the context and would emit its text as output.
+        # the library's streaming decoder, its context the prompt's tail as the window's. The window path stays
+        # for a context whose text ends mid-character (a prompt cut inside a character, garbled text: the stream
+        # would ignore that context and emit its text as output) and for a DecodeStream without context ids.
         self._stream = None
         if self._backend is not None and not self._backend.decode(
                 context, skip_special_tokens=self._skip).endswith(_REPLACEMENT_CHAR):
@@ -157,13 +156,12 @@ class IncrementalDetokenizer:
             self._ids.append(tok)
             try:
                 chunk = self._stream.step(self._backend, tok)
-            except Exception as e:  # the decoded text stopped extending the stream's prefix (InvalidPrefix)
-                logger.debug("detokenizer: %s; the window path takes over", e)
-                chunk, fallback = None, True
-            else:
                 # genuinely invalid bytes piling up: the window path emits them (a stream restarted on a
                 # context that ends mid-character would re-emit that context)
                 fallback = chunk is None and self.num_pending_tokens > MAX_PENDING_TOKENS
+            except Exception as e:  # the decoded text stopped extending the stream's prefix (InvalidPrefix)
+                logger.debug("detokenizer: %s; the window path takes over", e)
+                chunk, fallback = None, True
             if fallback:  # the window path keeps the request from here on
                 out.append(self._advance(force=False))
                 self._stream = self._backend = None

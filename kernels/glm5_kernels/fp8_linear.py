@@ -395,9 +395,16 @@ def _k_split(cfg: dict[str, Any], out_shape: tuple[int, ...], out_dtype: torch.d
     k = x.shape[-1]
     bk = min(cfg["BLOCK_K"], max(min_k, triton.next_power_of_2(k)))
     split = max(1, min(cfg["SPLIT_K"], triton.cdiv(k, bk)))
-    y = torch.empty(out_shape, device=x.device, dtype=out_dtype) if split == 1 else \
-        torch.empty((split, *out_shape), device=x.device, dtype=torch.float32)
-    return bk, split, y
+    return bk, split, _split_output(out_shape, out_dtype, split, x.device)
+
+
+def _split_output(out_shape: tuple[int, ...], out_dtype: torch.dtype, split: int,
+                  device: torch.device) -> torch.Tensor:
+    """A launch's output: ``out_shape`` in ``out_dtype``, or with a K split the fp32 partial sums
+    ``[split, *out_shape]`` that :func:`split_sum` adds up."""
+    if split == 1:
+        return torch.empty(out_shape, device=device, dtype=out_dtype)
+    return torch.empty((split, *out_shape), device=device, dtype=torch.float32)
 
 
 def split_sum(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -504,8 +511,7 @@ def w8a8_gemm(x8: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.
     # a K split serves few-tile shapes at decode sizes; a table entry measured there may be the nearest one for
     # a prefill, where the fp32 partials would take split x M x N x 4 bytes for nothing
     split = max(1, min(cfg.get("SPLIT_K", 1), triton.cdiv(k, BLOCK))) if m <= W8A8_SPLIT_MAX_M else 1
-    c = torch.empty(m, n, device=x8.device, dtype=out_dtype) if split == 1 else \
-        torch.empty(split, m, n, device=x8.device, dtype=torch.float32)
+    c = _split_output((m, n), out_dtype, split, x8.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split)
     _w8a8_gemm_kernel[grid](x8, xs, w, scale, c, bias if bias is not None else scale, m, n, k,
                             x8.stride(0), xs.stride(0), xs.stride(1), w.stride(0), scale.stride(0),

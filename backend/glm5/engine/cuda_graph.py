@@ -71,8 +71,7 @@ class DecodeStager:
         pin = device.type == "cuda"
         # rows: token ids, positions, state slots, latent slot of each row, logits rows (when not every row)
         self.host_i64 = torch.zeros(5, max_batch, dtype=torch.int64, pin_memory=pin)
-        self.host_bt = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=pin)
-        self.host_bt.fill_(cache.scratch_block)
+        self.host_bt = torch.full((max_batch, max_blocks), cache.scratch_block, dtype=torch.int32, pin_memory=pin)
         # per host row: the block-table list written there and how many of its entries (past them: scratch)
         self._staged_lists: list[list[int] | None] = [None] * max_batch
         self._staged_lens: list[int] = [0] * max_batch
@@ -113,8 +112,8 @@ class DecodeStager:
         h[2, :n] = rows.state_slots
         self._write_block_tables(bt, rows.block_tables, lens, padded)
         pad = self._pad_slot  # each row's latent slot: its block's row for the position, scratch past its blocks
-        h[3, :n] = [t[p // bs] * bs + p % bs if p // bs < len(t) else pad
-                    for t, p in zip(rows.block_tables, rows.positions)]
+        h[3, :n] = [t[p // bs] * bs + p % bs if p // bs < m else pad
+                    for t, p, m in zip(rows.block_tables, rows.positions, lens)]
         h[0, n:padded] = 0
         h[1, n:padded] = 0
         h[2, n:padded] = self.cache.scratch_slot
