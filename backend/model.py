@@ -41,9 +41,18 @@ parameter in ``initialize`` before anything from the project (or numpy) is impor
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
+
+# A launcher that gives up on a stalled load sends SIGUSR1 for every thread's stack
+# (glm5.serving.server_diagnosis); registered before the imports below so a stall inside them shows too.
+try:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+except (AttributeError, ValueError, OSError):  # a stderr without a file descriptor: no stacks, still load
+    pass
 
 
 def _extend_sys_path(value: str | None) -> None:
@@ -60,7 +69,6 @@ import asyncio  # noqa: E402
 import concurrent.futures  # noqa: E402
 import logging  # noqa: E402
 import queue  # noqa: E402
-import signal  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402

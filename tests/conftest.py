@@ -19,6 +19,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # A tritonserver a test starts inherits this: a model whose initialize hangs writes its stacks to the server
 # log (glm5.serving.stub_logging.stacks_if_slow) before the test's 240 s readiness wait gives up.
 os.environ.setdefault("GLM5_INIT_STACK_DUMP_S", "150")
+# A server whose model load stalls (neither ready nor exiting by the readiness timeout) is reported with its
+# stubs' stacks and started once more (glm5.serving.server_process.start_attempts_from_env).
+os.environ.setdefault("GLM5_SERVER_START_ATTEMPTS", "2")
 sys.path.insert(0, str(Path(__file__).parent))  # tests import their helpers (oracle.py) by name
 
 import pytest

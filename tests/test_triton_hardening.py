@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from glm5.serving.launcher import LauncherError, TritonServerProcess
+from glm5.serving.server_diagnosis import group_processes, request_stub_stacks
 from glm5_client import Glm5Client
 from triton_raw import post_json, raw_stream, stub_rss_mib, tensor, wait_idle
 
@@ -255,6 +256,26 @@ def test_duplicate_live_request_id_is_rejected_then_reusable(server):
     # the id is free as soon as its final response went out
     status, obj = generate(server, {"id": "dup-1", "text_input": "again", "parameters": {"max_tokens": 2}})
     assert status == 200, obj
+
+
+def test_stubs_write_their_stacks_on_request_and_keep_serving(server):
+    """What the launcher's not-ready report relies on: every stub of ours (glm5 and both preprocess
+    instances) answers the stack signal with its threads' stacks in the server log, and lives on."""
+    stubs = [p for p in group_processes(server.proc.pid) if p.is_stub]
+    assert len(stubs) == 3, stubs
+    start = len(server.log_file.read_bytes())
+    assert request_stub_stacks(stubs) == 3
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        new = server.log_file.read_bytes()[start:].decode(errors="replace")
+        if new.count("Current thread 0x") >= 3:
+            break
+        time.sleep(0.2)
+    assert new.count("Current thread 0x") >= 3, new[-3000:]
+    # the glm5 stub's engine thread waits in the backend's loop (backend/model.py)
+    assert "model.py\", line" in new and "async_engine.py\", line" in new, new[-3000:]
+    assert_still_serves(server)
+    assert [p.pid for p in group_processes(server.proc.pid) if p.is_stub] == [p.pid for p in stubs]
 
 
 # ---------------------------------------------------------------------- fuzz

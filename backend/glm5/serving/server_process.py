@@ -17,6 +17,7 @@ stops everything (server, stubs, front) on exit. The defaults are the safe ones:
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import re
@@ -39,12 +40,33 @@ from glm5.serving.installation import (PYTHON_PATH_ENV, LauncherError, _link, as
                                        default_model_repository, locate_tritonserver, python_path_entries,
                                        system_python_for_stub)
 from glm5.serving.repository import RepositoryError, prepare_model_repository, repository_models
+from glm5.serving.server_diagnosis import model_load_line, stalled_load_report
 
 logger = logging.getLogger(__name__)
 
 MODEL_CONTROL_MODES = ("none", "explicit")
 #: Lines of the engine's start log that ``glm5 serve`` repeats once the server is ready.
 ENGINE_SUMMARY_PATTERNS = (re.compile(r"backends on .*"), re.compile(r"hybrid cache: .*"))
+#: Model-load lines of tritonserver's output kept for the not-ready report.
+LOAD_LINES_KEPT = 40
+#: How many times a server whose model load stalls (never ready, never exits) is started; default 1.
+START_ATTEMPTS_ENV = "GLM5_SERVER_START_ATTEMPTS"
+
+
+class LoadStalledError(LauncherError):
+    """tritonserver ran until the readiness timeout without becoming ready or exiting."""
+
+
+def start_attempts_from_env() -> int:
+    raw = os.environ.get(START_ATTEMPTS_ENV, "").strip()
+    try:
+        attempts = int(raw) if raw else 1
+    except ValueError:
+        attempts = 0
+    if attempts < 1:
+        raise ValueError(f"{START_ATTEMPTS_ENV}={raw!r}: give a whole number of attempts, 1 or more (or leave it "
+                         "unset for 1)")
+    return attempts
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -67,7 +89,8 @@ def is_loopback(host: str) -> bool:
 
 
 class _OutputPump:
-    """Copy a child's output line by line to a sink, remembering the engine's summary lines.
+    """Copy a child's output line by line to a sink, remembering the engine's summary lines and the
+    last model-load lines (for the report on a server that never becomes ready).
 
     tritonserver's output (and its stubs', which share its stderr) goes through a pipe so that
     ``glm5 serve`` can report what the engine chose at start; the pump must always run, or the
@@ -76,6 +99,7 @@ class _OutputPump:
 
     def __init__(self, stream: IO[bytes], sink: IO[bytes], lock: threading.Lock, name: str) -> None:
         self.summary: list[str] = []
+        self.load_lines: collections.deque[str] = collections.deque(maxlen=LOAD_LINES_KEPT)
         self._stream, self._sink, self._lock = stream, sink, lock
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -89,6 +113,9 @@ class _OutputPump:
                 except (ValueError, OSError):
                     pass            # sink closed during shutdown: keep draining the pipe
             line = raw.decode("utf-8", errors="replace")
+            load = model_load_line(line)
+            if load is not None:
+                self.load_lines.append(load)
             for pat in ENGINE_SUMMARY_PATTERNS:
                 m = pat.search(line)
                 if m:
@@ -163,6 +190,9 @@ class TritonServerProcess:
     http_front: bool = True
     max_http_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     triton_http_port: int | None = None      # tritonserver's own (loopback) HTTP port behind the front
+    # A load that stalls (the server neither ready nor exiting by ready_timeout_s) is reported, stopped and
+    # started again up to this many times in all; exits and failed loads are never retried.
+    start_attempts: int = field(default_factory=start_attempts_from_env)
 
     proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
     front_proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
@@ -300,10 +330,18 @@ class TritonServerProcess:
         logger.info("starting %s", self._redacted(argv))
         self._sink = open(self.log_file, "ab") if self.log_file else _stdout_bytes()  # noqa: SIM115 (stop closes it)
         try:
-            self.proc = self._spawn(argv, env, "tritonserver-output")
-            if self.http_front:
-                self.front_proc = self._spawn(self.front_command(), dict(os.environ), "http-front-output")
-            self.wait_ready()
+            for attempt in range(1, self.start_attempts + 1):
+                self.proc = self._spawn(argv, env, "tritonserver-output")
+                if self.http_front:
+                    self.front_proc = self._spawn(self.front_command(), dict(os.environ), "http-front-output")
+                try:
+                    self.wait_ready()
+                    break
+                except LoadStalledError as exc:
+                    if attempt == self.start_attempts:
+                        raise
+                    logger.warning("%s\nstarting it again (attempt %d of %d)", exc, attempt + 1, self.start_attempts)
+                    self._stop_processes(timeout_s=10.0)
         except BaseException:
             self.stop()
             raise
@@ -332,7 +370,10 @@ class TritonServerProcess:
             if self.is_ready():
                 return
             time.sleep(0.25)
-        raise LauncherError(f"tritonserver not ready after {self.ready_timeout_s:.0f}s{self._log_hint()}")
+        assert self.proc is not None
+        report = stalled_load_report(self.proc.pid, [ln for p in self._pumps for ln in p.load_lines])
+        raise LoadStalledError(f"tritonserver neither ready nor exited after {self.ready_timeout_s:.0f}s "
+                               f"(a model load stalled)\n{report}{self._log_hint()}")
 
     def _log_hint(self) -> str:
         if self.log_file and Path(self.log_file).is_file():
@@ -349,6 +390,18 @@ class TritonServerProcess:
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """Stop the front, then tritonserver's process group (server + stubs); returns the server's code."""
+        rc = self._stop_processes(timeout_s)
+        if self._sink is not None and self._sink is not getattr(sys.stdout, "buffer", None):
+            self._sink.close()
+        self._sink = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+            self.work_dir = None
+        return rc
+
+    def _stop_processes(self, timeout_s: float) -> int | None:
+        """Stop the front and tritonserver's group, drain their output; the server's return code."""
         rc = None
         if self.front_proc is not None:
             _stop_group(self.front_proc, 10.0, "the HTTP front")
@@ -359,13 +412,6 @@ class TritonServerProcess:
         for pump in self._pumps:
             pump.join()
         self._pumps = []
-        if self._sink is not None and self._sink is not getattr(sys.stdout, "buffer", None):
-            self._sink.close()
-        self._sink = None
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
-            self.work_dir = None
         return rc
 
     def metrics_text(self) -> str:

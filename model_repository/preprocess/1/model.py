@@ -13,9 +13,18 @@ maps all of them.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
+
+# A launcher that gives up on a stalled load sends SIGUSR1 for every thread's stack
+# (glm5.serving.server_diagnosis); registered before the imports below so a stall inside them shows too.
+try:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+except (AttributeError, ValueError, OSError):  # a stderr without a file descriptor: no stacks, still load
+    pass
 
 
 def _extend_sys_path(value: str | None) -> None:
