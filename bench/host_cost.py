@@ -1,6 +1,7 @@
-"""Host work on a decode step's critical path: staging the step's inputs and detokenizing its tokens.
+"""Host work on a decode step's critical path: staging the step's inputs, the engine's step around the
+forward, and detokenizing its tokens.
 
-Both run on the host between CUDA-graph replays. Timed on the CPU (no GPU needed):
+All of it runs on the host between CUDA-graph replays. Timed on the CPU (no GPU needed):
 
 * ``DecodeStager.stage`` per batch size and context, for requests whose block tables stay the same lists from
   step to step (as a decoding batch's do), and with a fresh copy of every table each step (what a stager that
@@ -8,12 +9,20 @@ Both run on the host between CUDA-graph replays. Timed on the CPU (no GPU needed
   plain CPU tensors, so the host-to-device copy becomes a synchronous memcpy of the whole table width (on a
   GPU it is an asynchronous copy); the default width is therefore the largest context's, as ``bench.py``'s
   Setup has, not a long ``max_model_len``.
+* ``LLMEngine.step`` of a decoding batch with the model's forward replaced by a stub (its logits pick the
+  tokens of a real text, so detokenization and stop checks see text): the engine's own host work per step
+  (schedule, stage, sample, record tokens and detokenize, cache bookkeeping), whole and by part, greedy and
+  sampled (temperature + top-p) and seeded (the same with a seed per request). On a GPU all of it sits between
+  two graph replays.
+* One seeded row's draw over GLM-5.3-Flash's vocabulary from a CPU generator: what a seeded request would
+  pay on the host per token with its generator on the CPU (the engine makes each one on its own device).
 * ``IncrementalDetokenizer.add_tokens`` per token, through ``tokenizers``' streaming decoder (a fast HF
-  tokenizer) and through the window path (two HF ``decode`` calls per token), on random token ids of the
-  tokenizer's vocabulary (``--tokenizer DIR``; default: the tiny checkpoint's, made in a temporary folder).
+  tokenizer) and through the window path (two HF ``decode`` calls per token), on the README's tokens (random
+  ids would be mostly invalid UTF-8 pieces, which send a request to the window path after 32 of them) with
+  the tokenizer of ``--tokenizer DIR`` (default: the tiny checkpoint's, made in a temporary folder).
 
 Usage: ``python bench/host_cost.py [--out OUT.json] [--batches 1 64 256] [--contexts 1024 8192]
-[--max-model-len N] [--block-size 64] [--steps 200] [--tokenizer DIR]``.
+[--max-model-len N] [--block-size 64] [--steps 200] [--engine-steps 100] [--tokenizer DIR]``.
 """
 
 from __future__ import annotations
@@ -60,8 +69,7 @@ def time_stage(batch: int, ctx: int, max_blocks: int, block_size: int, steps: in
 
 
 def time_detokenizer(tokenizer_dir: str | None, tokens: int = 3000) -> dict:
-    """µs per token of the streaming and the window detokenizer on random ids (prompt tail as context)."""
-    import random
+    """µs per token of the streaming and the window detokenizer on the README's tokens (20 before as context)."""
     import tempfile
 
     from transformers import AutoTokenizer
@@ -77,17 +85,106 @@ def time_detokenizer(tokenizer_dir: str | None, tokens: int = 3000) -> dict:
     class WindowOnly:  # no backend_tokenizer: the window path
         def decode(self, *a, **kw):
             return tok.decode(*a, **kw)
-    rng = random.Random(0)
-    ids = [rng.randrange(len(tok)) for _ in range(tokens)]
+    text_ids = tok.encode((ROOT / "README.md").read_text() * 8, add_special_tokens=False)
+    if len(text_ids) < tokens + 20:
+        raise ValueError(f"the README gives {len(text_ids)} tokens with this tokenizer; ask for fewer than {tokens}")
+    context, ids = text_ids[:20], text_ids[20:20 + tokens]
     out = {"tokenizer": tokenizer_dir if tokenizer_dir and not tokenizer_dir.startswith(tempfile.gettempdir())
            else "tiny checkpoint", "vocab": len(tok), "tokens": tokens}
     for name, t in (("stream_us_per_token", tok), ("window_us_per_token", WindowOnly())):
-        d = IncrementalDetokenizer(t, ids[:20])
+        d = IncrementalDetokenizer(t, context)
         t0 = time.perf_counter()
         for i in ids:
             d.add_tokens([i])
         out[name] = (time.perf_counter() - t0) / tokens * 1e6
+        if t is tok:
+            out["stream_kept_to_the_end"] = d._stream is not None
     return out
+
+
+#: sampling settings of request ``i`` per :func:`time_engine_step` mode
+ENGINE_MODES = {"greedy": lambda i: {"temperature": 0.0},
+                "sampled": lambda i: {"temperature": 0.8, "top_p": 0.95},
+                "seeded": lambda i: {"temperature": 0.8, "top_p": 0.95, "seed": i}}
+#: GLM-5.3-Flash's vocabulary: what one seeded row's draw covers each step
+REAL_VOCAB = 154880
+#: (label, object attribute path) of the engine-step parts timed by :func:`time_engine_step`
+ENGINE_PARTS = (("schedule", "scheduler.schedule"), ("stage", "runner.stager.stage"),
+                ("sample", "sampler.sample"), ("record_tokens", "_append_tokens"), ("finish_step", "_finish_step"))
+
+
+def decoding_engine(batch: int, mode: str, ckpt: Path):
+    """A CPU engine on ``ckpt`` whose ``batch`` requests have all finished their prompts, with the model's
+    forward replaced by a stub whose logits make row r emit the README's tokens (from offset 97 r)."""
+    from glm5.engine.args import EngineArgs
+    from glm5.engine.llm_engine import LLMEngine
+    from glm5.layers.glm5 import ModelOutput
+    from glm5.sampling_params import SamplingParams
+    eng = LLMEngine(EngineArgs(model=str(ckpt), max_num_seqs=batch, max_model_len=8192, cache_memory_gb=1.0,
+                               decode_path="batched", load_progress=False))
+    text_ids = eng.tokenizer.encode((ROOT / "README.md").read_text() * 2, add_special_tokens=False)
+    for i in range(batch):
+        sp = SamplingParams(max_tokens=1 << 20, ignore_eos=True, **ENGINE_MODES[mode](i))
+        eng.add_request(f"r{i}", text_ids[i:i + 32], sp)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    model, clock = eng.runner.model, [0]
+
+    def forward(fwd_batch, cache):  # logits that make row r emit the text's token (clock + 97 r)
+        n = int(fwd_batch.logits_indices.shape[0])
+        logits = torch.full((n, eng.model_config.text.vocab_size), -30.0)
+        rows = torch.arange(n)
+        logits[rows, torch.tensor([text_ids[(clock[0] + 97 * r) % len(text_ids)] for r in range(n)])] = 30.0
+        clock[0] += 1
+        return ModelOutput(logits=logits, hidden=torch.zeros(int(fwd_batch.input_ids.shape[0]),
+                                                            eng.model_config.text.hidden_size))
+    model.forward = forward
+    return eng
+
+
+def time_engine_step(batch: int, mode: str, steps: int, ckpt: Path) -> dict:
+    """Median ms of ``LLMEngine.step`` over ``steps`` decode steps of ``batch`` requests (forward stubbed), and
+    the mean ms per step of each part in :data:`ENGINE_PARTS`."""
+    eng = decoding_engine(batch, mode, ckpt)
+    spent = {label: 0.0 for label, _ in ENGINE_PARTS}
+    for label, path in ENGINE_PARTS:
+        owner_path, _, name = path.rpartition(".")
+        owner = eng
+        for part in filter(None, owner_path.split(".")):
+            owner = getattr(owner, part)
+        inner = getattr(owner, name)
+
+        def timed_part(*a, _inner=inner, _label=label, **kw):
+            t0 = time.perf_counter()
+            try:
+                return _inner(*a, **kw)
+            finally:
+                spent[_label] += time.perf_counter() - t0
+        setattr(owner, name, timed_part)
+    for _ in range(10):
+        eng.step()
+    spent.update({k: 0.0 for k in spent})
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    assert len(eng.scheduler.running) == batch, "a request left the batch during the timing"
+    step_ms = sorted(times)[len(times) // 2] * 1e3
+    return {"batch": batch, "mode": mode, "step_ms": step_ms, "us_per_request": step_ms * 1e3 / batch,
+            "parts_ms": {k: v / steps * 1e3 for k, v in spent.items()}}
+
+
+def time_cpu_generator_draw(vocab: int = REAL_VOCAB, reps: int = 50) -> float:
+    """µs of one seeded row's Exp(1) draw over ``vocab`` tokens from a CPU generator (a seeded request's
+    host cost per sampled token were its generator on the CPU)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.empty(vocab)
+    q.exponential_(generator=gen)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        q.exponential_(generator=gen)
+    return (time.perf_counter() - t0) / reps * 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="sets the stager's block-table width (default: the largest context + 2 blocks)")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--engine-steps", type=int, default=100, help="timed engine steps per batch and mode")
     ap.add_argument("--tokenizer", help="tokenizer folder for the detokenizer timing (default: the tiny checkpoint's)")
     args = ap.parse_args(argv)
     max_len = args.max_model_len or max(args.contexts) + 2 * args.block_size
@@ -115,6 +213,18 @@ def main(argv: list[str] | None = None) -> int:
                    "fresh_lists_us": time_stage(b, ctx, max_blocks, args.block_size, args.steps, fresh=True)}
             out["stage"].append(row)
             print(json.dumps(row), flush=True)
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        from glm5.tiny_checkpoint import make_tiny_checkpoint
+        ckpt = make_tiny_checkpoint(Path(tmp) / "ckpt")
+        out["engine_step"] = []
+        for mode in ENGINE_MODES:
+            for b in args.batches:
+                row = time_engine_step(b, mode, args.engine_steps, ckpt)
+                out["engine_step"].append(row)
+                print(json.dumps(row), flush=True)
+    out["cpu_generator_draw_us"] = {"vocab": REAL_VOCAB, "us_per_row": time_cpu_generator_draw()}
+    print(json.dumps(out["cpu_generator_draw_us"]), flush=True)
     out["detokenizer"] = time_detokenizer(args.tokenizer)
     print(json.dumps(out["detokenizer"]), flush=True)
     if args.out:

@@ -185,3 +185,24 @@ def test_fla_kda_matches_torch_reference(n_tok, dtype):
     untouched = [i for i in range(8) if i not in slots]
     assert torch.equal(state[untouched].cpu(), pool[untouched])
 
+
+
+def test_seeded_sampling_on_gpu_draws_on_the_gpu_and_ignores_the_batch(refs_and_ckpt):
+    """A seeded request's generator lives on the engine's device (a CPU one drew the whole vocabulary on the
+    host every step), and its tokens are the same alone and among other seeded, unseeded and greedy requests,
+    on the graph-replayed batched path."""
+    from glm5.sampling_params import SamplingParams
+    refs, ckpt = refs_and_ckpt
+    # fp32, so that a different batch size cannot move a logit enough to flip a draw
+    eng = engine(ckpt, device="cuda", dtype="float32", max_model_len=512, decode_path="batched")
+    target = SamplingParams(temperature=0.9, top_p=0.95, seed=4321, max_tokens=24, ignore_eos=True)
+    prompt = refs["prompts"][0]
+    alone = eng.generate([prompt], target)[0].token_ids
+    others = [SamplingParams(temperature=0.8, seed=s, max_tokens=24, ignore_eos=True) for s in range(3)] + \
+             [SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True), SamplingParams(temperature=0.0,
+                                                                                              max_tokens=24)]
+    batch = eng.generate([refs["prompts"][i % len(refs["prompts"])] for i in range(1, 6)] + [prompt],
+                         others + [target])
+    assert batch[-1].token_ids == alone and len(alone) == 24
+    eng.add_request("probe", prompt, target)
+    assert eng._requests["probe"].seq.generator.device.type == "cuda"

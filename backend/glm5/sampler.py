@@ -27,9 +27,10 @@ request by :func:`make_generator` and passed in every step) and always exactly `
 sampled step, independent of the batch it is in. So the same request with the same seed yields
 the same tokens whether it runs alone or batched, at any row position, and across processes and
 restarts (on the same device type: CPU and CUDA generators produce different streams). Unseeded
-rows share the sampler's engine generator. A CPU generator with CUDA logits works but copies
-``V`` floats per row per step to the device; a GPU engine should create the generators on the
-logits' device (``make_generator(seed, device)``).
+rows share the sampler's engine generator. A CPU generator with CUDA logits works but draws ``V``
+floats per row per step on the host (5.5 ms for GLM-5.3-Flash's 154,880 tokens on one core of the
+CPU machine, ``bench/host_cost.py``) and copies them over; the engine therefore creates each
+request's generator on its own device (``make_generator(seed, device)``).
 
 Logprobs: by default (``logprobs_mode="raw"``) they are the log-softmax of the logits *as passed
 in*, i.e. before penalties, temperature and filtering, as vLLM v1 returns by default.
@@ -475,8 +476,10 @@ class Sampler:
             if gen is None:
                 shared_pos.append(j)
                 continue
-            draw = torch.empty(vocab, dtype=torch.float32, device=gen.device).exponential_(generator=gen)
-            q[j] = draw.to(device)
+            if gen.device == q.device:  # the row in place: one launch per seeded row
+                q[j].exponential_(generator=gen)
+            else:
+                q[j] = torch.empty(vocab, dtype=torch.float32, device=gen.device).exponential_(generator=gen).to(device)
         if shared_pos:
             gen = self.shared_generator(device)
             draw = torch.empty(len(shared_pos), vocab, dtype=torch.float32, device=device).exponential_(generator=gen)

@@ -80,6 +80,10 @@ class DecodeStager:
         self.logits_indices = torch.arange(max_batch, dtype=torch.int64, device=device)
         self._copied = torch.cuda.Event() if pin else None
         self._pad_slot = cache.scratch_block * cache.block_size  # latent row of a padding row's token
+        # numpy views of the pinned buffers and, per batch size, the buffers' slices: made once, since slicing
+        # tensors costs microseconds of host time per view, each step
+        self._host_np = self.host_i64.numpy(), self.host_bt.numpy()
+        self._slices: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def stage(self, rows: DecodeRows, padded: int,
               prepare: Callable[[ForwardBatch], None] | None = None, *, rows_per_seq: int = 1,
@@ -105,8 +109,7 @@ class DecodeStager:
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have left the pinned buffer
         bs = self.cache.block_size
-        h = self.host_i64.numpy()
-        bt = self.host_bt.numpy()
+        h, bt = self._host_np
         h[0, :n] = rows.tokens
         h[1, :n] = rows.positions
         h[2, :n] = rows.state_slots
@@ -122,7 +125,8 @@ class DecodeStager:
             h[4, : len(logits_rows)] = logits_rows
         # the whole [5, max_batch] block: a column slice is not contiguous and would go through a pageable copy
         self.dev_i64.copy_(self.host_i64, non_blocking=True)
-        self.dev_bt[:padded].copy_(self.host_bt[:padded], non_blocking=True)
+        sl = self._sliced(padded)
+        sl[5].copy_(sl[6], non_blocking=True)
         batch = self.view(padded, positions_host=list(rows.positions) + [0] * (padded - n), rows_per_seq=rows_per_seq,
                           n_logits=None if logits_rows is None else len(logits_rows), verify=verify)
         if prepare is not None:
@@ -159,14 +163,24 @@ class DecodeStager:
                 written[i] = 0
             staged[i] = None
 
+    def _sliced(self, b: int) -> tuple[torch.Tensor, ...]:
+        """The first ``b`` rows of: token ids, positions, state slots, latent slots, logits rows (device), the
+        device block table, the pinned host block table."""
+        sl = self._slices.get(b)
+        if sl is None:
+            sl = self._slices[b] = (*(self.dev_i64[i, :b] for i in range(4)), self.logits_indices[:b],
+                                    self.dev_bt[:b], self.host_bt[:b])
+        return sl
+
     def view(self, b: int, positions_host: list[int] | None = None, rows_per_seq: int = 1,
              n_logits: int | None = None, verify=None) -> ForwardBatch:
         """The first ``b`` rows of the static buffers as a decode batch: logits for every row, or for the
         first ``n_logits`` entries of the staged logits rows."""
-        ids, pos, slots, slot_map = (self.dev_i64[i, :b] for i in range(4))
-        logits = self.logits_indices[:b] if n_logits is None else self.dev_i64[4, :n_logits]
+        ids, pos, slots, slot_map, logits, bt = self._sliced(b)[:6]
+        if n_logits is not None:
+            logits = self.dev_i64[4, :n_logits]
         return ForwardBatch(input_ids=ids, positions=pos, seqs=[], logits_indices=logits,
-                            decode=DecodeMeta(state_slots=slots, block_tables=self.dev_bt[:b],
+                            decode=DecodeMeta(state_slots=slots, block_tables=bt,
                                               slot_mapping=slot_map, positions_host=positions_host,
                                               rows_per_seq=rows_per_seq, verify=verify))
 

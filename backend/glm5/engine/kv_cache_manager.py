@@ -208,6 +208,8 @@ class KVCacheManager:
         if self.prefix is None or seq.state_slot is None:
             return
         ready = seq.num_computed_tokens
+        if ready // self.block_size <= seq.num_registered_blocks and ready not in seq.checkpoints:
+            return  # no block completed and no snapshot planned here (a decode step's usual case)
         chain = self._chain(seq)
         for k in range(seq.num_registered_blocks, min(ready // self.block_size, len(chain.keys))):
             lo, hi = chain.block_tokens_span(k)

@@ -293,8 +293,8 @@ class LLMEngine:
             describe_media(mm, self.model_config.vision.spatial_merge_size ** 2)  # prepared elsewhere than prepare()
         seq = Sequence(request_id=request_id, prompt_token_ids=ids, params=params,
                        eos_token_ids=self.eos_token_ids, arrival_order=next(self._order), mm=mm)
-        if params.seed is not None:
-            seq.generator = make_generator(params.seed)
+        if params.seed is not None:  # on the logits' device: a CPU generator would draw V floats per step on the host
+            seq.generator = make_generator(params.seed, self.device)
         if params.bad_words:
             if self.tokenizer is None:
                 raise ValueError("bad_words needs the checkpoint's tokenizer; ban token ids with logit_bias instead")
