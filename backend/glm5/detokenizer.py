@@ -321,7 +321,7 @@ class RequestOutputProcessor:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens)
         self.stops = StopChecker(params.stop_strings, include_stop_str_in_output=params.include_stop_str_in_output)
         self.output_token_ids: list[int] = []
-        self.text = ""  # everything emitted so far
+        self._emitted: list[str] = []   # the deltas emitted so far (one join when asked: no copy of the text per step)
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
 
@@ -356,8 +356,16 @@ class RequestOutputProcessor:
                 self.finish_reason = FinishReason.LENGTH
                 break
         text = "".join(parts)
-        self.text += text
+        if text:
+            self._emitted.append(text)
         return StepOutput(text=text, num_accepted=accepted, finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        if len(self._emitted) > 1:
+            self._emitted[:] = ["".join(self._emitted)]
+        return self._emitted[0] if self._emitted else ""
 
     def abort(self) -> StepOutput:
         """Finish with ``"abort"``; held-back text is dropped (the client stopped listening)."""

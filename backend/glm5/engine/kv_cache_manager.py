@@ -199,7 +199,9 @@ class KVCacheManager:
         return max(0, -(-end // self.block_size) - len(seq.block_table))
 
     def grow(self, seq: Sequence, end: int) -> None:
-        seq.block_table.extend(self.blocks.allocate(self.blocks_needed(seq, end)))
+        n = self.blocks_needed(seq, end)
+        if n:  # (most decode steps need none: 63 of every 64 at block size 64)
+            seq.block_table.extend(self.blocks.allocate(n))
 
     # ------------------------------------------------------------------ after a step
     def after_step(self, seq: Sequence) -> None:

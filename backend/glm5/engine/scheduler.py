@@ -153,11 +153,11 @@ class Scheduler:
             if drafts and need > self.blocks.num_free:  # drop the speculation before preempting anyone
                 n, drafts = n - drafts, 0
                 need = self._blocks_needed(seq, n)
-            while need > self.blocks.num_free and self.running[-1] is not seq:
+            while need and need > self.blocks.num_free and self.running[-1] is not seq:
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
-            if need > self.blocks.num_free:  # it is the newest itself: give way
+            if need and need > self.blocks.num_free:  # it is the newest itself: give way
                 self._preempt(seq)
                 out.preempted.append(seq)
                 continue
