@@ -39,7 +39,7 @@ from glm5.engine.outputs import CompletionOutput, EngineStats, PromptInput, Requ
 from glm5.engine.prompt_logprobs import score as score_prompt_logprobs
 from glm5.engine.prompt_processor import PreparedPrompt, PromptProcessor, PromptTooLongError
 from glm5.engine.scheduler import Scheduler, SchedulerOutput
-from glm5.engine.sequence import MultiModalData, Sequence, SeqStatus
+from glm5.engine.sequence import Sequence
 from glm5.engine.spec_batched import MAX_BACKLOG, BatchedSpeculation, MTPBacklog, VerifyResult, neutral_params
 from glm5.engine.spec_decode import SpecStats, greedy_verify, target_distributions
 from glm5.engine.spec_sampling import SALT_DRAFT, accept_sampled, race

@@ -27,7 +27,6 @@ from glm5.layers.batch import ForwardBatch, SeqChunk
 from glm5.layers.glm5 import Glm5ForCausalLM, ModelOutput
 from glm5.layers.moe import MoE, RebalanceReport, rebalance_experts
 from glm5.layers.mtp import MissingMTPWeights, MTPLayer
-from glm5.layers.vision import flatten_video_grid
 
 logger = logging.getLogger(__name__)
 
