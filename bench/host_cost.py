@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import sys
 import time
@@ -203,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     max_len = args.max_model_len or max(args.contexts) + 2 * args.block_size
     max_blocks = -(-max_len // args.block_size)
     out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "host": platform.processor() or platform.machine(), "cpus": torch.get_num_threads(),
+           "host": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+           "torch_threads": torch.get_num_threads(),
            "command": " ".join(["bench/host_cost.py", *(argv if argv is not None else sys.argv[1:])]),
            "max_blocks": max_blocks, "stage": []}
     for ctx in args.contexts:

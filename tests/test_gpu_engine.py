@@ -205,4 +205,5 @@ def test_seeded_sampling_on_gpu_draws_on_the_gpu_and_ignores_the_batch(refs_and_
                          others + [target])
     assert batch[-1].token_ids == alone and len(alone) == 24
     eng.add_request("probe", prompt, target)
-    assert eng._requests["probe"].seq.generator.device.type == "cuda"
+    # on the logits' device exactly ("cuda:N", not "cuda"), so the sampler draws into the row in place
+    assert eng._requests["probe"].seq.generator.device == torch.device("cuda", torch.cuda.current_device())

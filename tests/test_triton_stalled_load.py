@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from glm5.serving.launcher import TritonServerProcess
+from glm5.serving.launcher import LauncherError, TritonServerProcess
 from glm5.serving.server_diagnosis import group_processes, model_load_line
 from glm5.serving.server_process import START_ATTEMPTS_ENV, LoadStalledError, start_attempts_from_env
 
@@ -59,7 +59,7 @@ def test_a_stalled_load_is_reported_with_stub_stacks_and_started_again(stalling_
     took = time.monotonic() - t0
     assert srv.proc is None and srv.work_dir is None          # stopped and cleaned up after the last attempt
     msg = str(err.value)
-    assert "neither ready nor exited after 10s" in msg
+    assert "did not finish loading its models within 10s and has not exited" in msg
     # the report: the server's processes (the stub among them) and how far the load got
     assert "tritonserver state" in msg and "triton_python_b state" in msg, msg
     assert '"loading: stalls:1"' in msg and "ModelInstanceInitialize: stalls_0_0" in msg, msg
@@ -78,7 +78,7 @@ def test_start_attempts_from_the_environment(monkeypatch):
     assert start_attempts_from_env() == 3 and TritonServerProcess().start_attempts == 3
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv(START_ATTEMPTS_ENV, bad)
-        with pytest.raises(ValueError, match=f"{START_ATTEMPTS_ENV}='{bad}': give a whole number"):
+        with pytest.raises(LauncherError, match=f"{START_ATTEMPTS_ENV}='{bad}': give a whole number"):
             start_attempts_from_env()
 
 

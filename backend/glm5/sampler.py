@@ -28,8 +28,8 @@ sampled step, independent of the batch it is in. So the same request with the sa
 the same tokens whether it runs alone or batched, at any row position, and across processes and
 restarts (on the same device type: CPU and CUDA generators produce different streams). Unseeded
 rows share the sampler's engine generator. A CPU generator with CUDA logits works but draws ``V``
-floats per row per step on the host (5.5 ms for GLM-5.3-Flash's 154,880 tokens on one core of the
-CPU machine, ``bench/host_cost.py``) and copies them over; the engine therefore creates each
+floats per row per step on the host (about 5 ms for GLM-5.3-Flash's 154,880 tokens on one core of
+the CPU machine, ``bench/host_cost.py``) and copies them over; the engine therefore creates each
 request's generator on its own device (``make_generator(seed, device)``).
 
 Logprobs: by default (``logprobs_mode="raw"``) they are the log-softmax of the logits *as passed
@@ -59,6 +59,9 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     The generator must live as long as the request: its state advances by ``V`` draws each
     sampled step, which is what makes step ``n`` of a seeded request reproducible.
     """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" → "cuda:N": equal to the logits' device
+        device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen

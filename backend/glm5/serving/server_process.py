@@ -49,7 +49,8 @@ MODEL_CONTROL_MODES = ("none", "explicit")
 ENGINE_SUMMARY_PATTERNS = (re.compile(r"backends on .*"), re.compile(r"hybrid cache: .*"))
 #: Model-load lines of tritonserver's output kept for the not-ready report.
 LOAD_LINES_KEPT = 40
-#: How many times a server whose model load stalls (never ready, never exits) is started; default 1.
+#: How many times a server whose model load stalls (never ready, never exits) is started; default 1. Each
+#: start waits up to ``ready_timeout_s``, so a start can take that many times the timeout in all.
 START_ATTEMPTS_ENV = "GLM5_SERVER_START_ATTEMPTS"
 
 
@@ -64,8 +65,8 @@ def start_attempts_from_env() -> int:
     except ValueError:
         attempts = 0
     if attempts < 1:
-        raise ValueError(f"{START_ATTEMPTS_ENV}={raw!r}: give a whole number of attempts, 1 or more (or leave it "
-                         "unset for 1)")
+        raise LauncherError(f"{START_ATTEMPTS_ENV}={raw!r}: give a whole number of attempts, 1 or more (or leave "
+                            "it unset for 1)")
     return attempts
 
 
@@ -362,18 +363,22 @@ class TritonServerProcess:
     def wait_ready(self) -> None:
         """Poll ``/v2/health/ready`` and each model's ready endpoint; raise if a process dies."""
         deadline = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < deadline:
+        while True:
+            # the exit check comes after the deadline too: a server that exits (or gets ready) while the last
+            # readiness probe runs is an exit (or ready), never a stall to retry
             for proc, what in ((self.proc, "tritonserver"), (self.front_proc, "the HTTP front")):
                 if proc is not None and proc.poll() is not None:
                     raise LauncherError(f"{what} exited with code {proc.returncode} before the server was "
                                         f"ready{self._log_hint()}")
             if self.is_ready():
                 return
+            if time.monotonic() >= deadline:
+                break
             time.sleep(0.25)
         assert self.proc is not None
         report = stalled_load_report(self.proc.pid, [ln for p in self._pumps for ln in p.load_lines])
-        raise LoadStalledError(f"tritonserver neither ready nor exited after {self.ready_timeout_s:.0f}s "
-                               f"(a model load stalled)\n{report}{self._log_hint()}")
+        raise LoadStalledError(f"tritonserver did not finish loading its models within {self.ready_timeout_s:.0f}s "
+                               f"and has not exited\n{report}{self._log_hint()}")
 
     def _log_hint(self) -> str:
         if self.log_file and Path(self.log_file).is_file():

@@ -23,7 +23,7 @@ import sys
 # (glm5.serving.server_diagnosis); registered before the imports below so a stall inside them shows too.
 try:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-except (AttributeError, ValueError, OSError):  # a stderr without a file descriptor: no stacks, still load
+except (AttributeError, ValueError, OSError, RuntimeError):  # no usable stderr: no stacks, still load
     pass
 
 
