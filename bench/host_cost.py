@@ -31,7 +31,9 @@ import argparse
 import datetime
 import json
 import os
+import operator
 import platform
+import statistics
 import sys
 import time
 import types
@@ -66,7 +68,7 @@ def time_stage(batch: int, ctx: int, max_blocks: int, block_size: int, steps: in
         t0 = time.perf_counter()
         stager.stage(r, batch)
         times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] * 1e6
+    return statistics.median(times) * 1e6
 
 
 def time_detokenizer(tokenizer_dir: str | None, tokens: int = 3000) -> dict:
@@ -150,9 +152,7 @@ def time_engine_step(batch: int, mode: str, steps: int, ckpt: Path) -> dict:
     spent = {label: 0.0 for label, _ in ENGINE_PARTS}
     for label, path in ENGINE_PARTS:
         owner_path, _, name = path.rpartition(".")
-        owner = eng
-        for part in filter(None, owner_path.split(".")):
-            owner = getattr(owner, part)
+        owner = operator.attrgetter(owner_path)(eng) if owner_path else eng
         inner = getattr(owner, name)
 
         def timed_part(*a, _inner=inner, _label=label, **kw):
@@ -171,7 +171,7 @@ def time_engine_step(batch: int, mode: str, steps: int, ckpt: Path) -> dict:
         eng.step()
         times.append(time.perf_counter() - t0)
     assert len(eng.scheduler.running) == batch, "a request left the batch during the timing"
-    step_ms = sorted(times)[len(times) // 2] * 1e3
+    step_ms = statistics.median(times) * 1e3
     return {"batch": batch, "mode": mode, "step_ms": step_ms, "us_per_request": step_ms * 1e3 / batch,
             "parts_ms": {k: v / steps * 1e3 for k, v in spent.items()}}
 

@@ -25,7 +25,7 @@ import logging
 import operator
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -43,6 +43,18 @@ def graph_buckets(max_batch: int) -> list[int]:
     """Bucket sizes up to ``max_batch`` (which is always one of them)."""
     out = [b for b in DEFAULT_BUCKETS if b < max_batch]
     return out + [max_batch]
+
+
+class _Slices(NamedTuple):
+    """The first ``b`` rows of a :class:`DecodeStager`'s buffers (views, made once per batch size)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    state_slots: torch.Tensor
+    slot_mapping: torch.Tensor
+    logits: torch.Tensor       # every row's logits (``logits_indices[:b]``)
+    dev_bt: torch.Tensor
+    host_bt: torch.Tensor
 
 
 @dataclass
@@ -83,7 +95,7 @@ class DecodeStager:
         # numpy views of the pinned buffers and, per batch size, the buffers' slices: made once, since slicing
         # tensors costs microseconds of host time per view, each step
         self._host_np = self.host_i64.numpy(), self.host_bt.numpy()
-        self._slices: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._slices: dict[int, _Slices] = {}
 
     def stage(self, rows: DecodeRows, padded: int,
               prepare: Callable[[ForwardBatch], None] | None = None, *, rows_per_seq: int = 1,
@@ -126,7 +138,7 @@ class DecodeStager:
         # the whole [5, max_batch] block: a column slice is not contiguous and would go through a pageable copy
         self.dev_i64.copy_(self.host_i64, non_blocking=True)
         sl = self._sliced(padded)
-        sl[5].copy_(sl[6], non_blocking=True)
+        sl.dev_bt.copy_(sl.host_bt, non_blocking=True)
         batch = self.view(padded, positions_host=list(rows.positions) + [0] * (padded - n), rows_per_seq=rows_per_seq,
                           n_logits=None if logits_rows is None else len(logits_rows), verify=verify)
         if prepare is not None:
@@ -163,25 +175,22 @@ class DecodeStager:
                 written[i] = 0
             staged[i] = None
 
-    def _sliced(self, b: int) -> tuple[torch.Tensor, ...]:
-        """The first ``b`` rows of: token ids, positions, state slots, latent slots, logits rows (device), the
-        device block table, the pinned host block table."""
+    def _sliced(self, b: int) -> _Slices:
         sl = self._slices.get(b)
         if sl is None:
-            sl = self._slices[b] = (*(self.dev_i64[i, :b] for i in range(4)), self.logits_indices[:b],
-                                    self.dev_bt[:b], self.host_bt[:b])
+            sl = self._slices[b] = _Slices(*(self.dev_i64[i, :b] for i in range(4)), self.logits_indices[:b],
+                                           self.dev_bt[:b], self.host_bt[:b])
         return sl
 
     def view(self, b: int, positions_host: list[int] | None = None, rows_per_seq: int = 1,
              n_logits: int | None = None, verify=None) -> ForwardBatch:
         """The first ``b`` rows of the static buffers as a decode batch: logits for every row, or for the
         first ``n_logits`` entries of the staged logits rows."""
-        ids, pos, slots, slot_map, logits, bt = self._sliced(b)[:6]
-        if n_logits is not None:
-            logits = self.dev_i64[4, :n_logits]
-        return ForwardBatch(input_ids=ids, positions=pos, seqs=[], logits_indices=logits,
-                            decode=DecodeMeta(state_slots=slots, block_tables=bt,
-                                              slot_mapping=slot_map, positions_host=positions_host,
+        sl = self._sliced(b)
+        logits = sl.logits if n_logits is None else self.dev_i64[4, :n_logits]
+        return ForwardBatch(input_ids=sl.ids, positions=sl.positions, seqs=[], logits_indices=logits,
+                            decode=DecodeMeta(state_slots=sl.state_slots, block_tables=sl.dev_bt,
+                                              slot_mapping=sl.slot_mapping, positions_host=positions_host,
                                               rows_per_seq=rows_per_seq, verify=verify))
 
 
