@@ -62,7 +62,8 @@ GRAPH_MAX_M = 256
 #: GEMV tile candidates besides the default: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages).
 GEMV_CANDIDATES = [(32, 256, 1, 4, 4), (64, 128, 1, 4, 4), (32, 256, 2, 4, 4), (16, 256, 4, 4, 4)]
 #: FMA GEMV candidates at M <= 4 (BLOCK_M = M): (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages).
-FMA_CANDIDATES = [(16, 512, 1, 4, 2), (16, 512, 2, 4, 2), (16, 512, 4, 4, 2), (8, 512, 2, 4, 2), (32, 256, 2, 8, 3)]
+FMA_CANDIDATES = [(16, 512, 1, 4, 2), (16, 512, 2, 4, 2), (16, 512, 4, 4, 2), (8, 512, 2, 4, 2), (32, 256, 2, 8, 3),
+                  (8, 1024, 1, 4, 2), (16, 1024, 1, 8, 2)]
 #: w8a8 GEMV candidates (BLOCK_K is one 128-channel group): (BLOCK_N, SPLIT_K, num_warps, num_stages).
 #: The 128-wide strips with a K split serve M = 16-64, where narrow strips would re-read the activation rows
 #: once per strip and wide ones alone leave most SMs idle on the N = 4096 projections.

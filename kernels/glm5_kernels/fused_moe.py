@@ -446,8 +446,9 @@ def _fit_smem(block_m: int, block_n: int, block_k: int, stages: int, b_tiles: in
 
 
 #: Token counts up to which :func:`fused_moe` runs fp8 experts in the w8a8 mode unless the config says otherwise:
-#: measured faster and within its bounds on the H200 at T = 1-512 (decode, 16-row blocks); larger T (prefill
-#: tiles) keeps W8A16 until the w8a8 mode is timed there.
+#: measured faster and within its bounds on the H200 at T = 1-512 (decode, 16-row blocks); at T = 1024 it ties
+#: with W8A16 and at T = 4096 it is 2.8x slower (its 128-row tiles fit shared memory only with one activation
+#: group per K step and fewer stages; bench/results/fp8_check_h200.json), so larger T keeps W8A16.
 W8A8_MAX_TOKENS = 512
 
 
