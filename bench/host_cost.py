@@ -14,6 +14,10 @@ All of it runs on the host between CUDA-graph replays. Timed on the CPU (no GPU 
   (schedule, stage, sample, record tokens and detokenize, cache bookkeeping), whole and by part, greedy and
   sampled (temperature + top-p) and seeded (the same with a seed per request). On a GPU all of it sits between
   two graph replays.
+* The same engine step with MTP speculation on (``num_speculative_tokens=3``) but every step at ``k = 0``
+  (the adaptive policy's choice where speculation does not pay), model and MTP forwards stubbed, against the
+  engine without MTP: what the speculative engine's k = 0 step adds on the host, per step and in the steps
+  that drain each request's MTP backlog (every ``MAX_BACKLOG`` steps), whole and by part.
 * One seeded row's draw over GLM-5.3-Flash's vocabulary from a CPU generator: what a seeded request would
   pay on the host per token with its generator on the CPU (the engine makes each one on its own device).
 * ``IncrementalDetokenizer.add_tokens`` per token, through ``tokenizers``' streaming decoder (a fast HF
@@ -22,7 +26,8 @@ All of it runs on the host between CUDA-graph replays. Timed on the CPU (no GPU 
   the tokenizer of ``--tokenizer DIR`` (default: the tiny checkpoint's, made in a temporary folder).
 
 Usage: ``python bench/host_cost.py [--out OUT.json] [--batches 1 64 256] [--contexts 1024 8192]
-[--max-model-len N] [--block-size 64] [--steps 200] [--engine-steps 100] [--tokenizer DIR]``.
+[--max-model-len N] [--block-size 64] [--steps 200] [--engine-steps 100] [--spec-steps 256]
+[--spec-batches 8 32] [--tokenizer DIR]``.
 """
 
 from __future__ import annotations
@@ -116,15 +121,28 @@ ENGINE_PARTS = (("schedule", "scheduler.schedule"), ("stage", "runner.stager.sta
                 ("sample", "sampler.sample"), ("record_tokens", "_append_tokens"), ("finish_step", "_finish_step"))
 
 
-def decoding_engine(batch: int, mode: str, ckpt: Path):
+def decoding_engine(batch: int, mode: str, ckpt: Path, speculative: int = 0):
     """A CPU engine on ``ckpt`` whose ``batch`` requests have all finished their prompts, with the model's
-    forward replaced by a stub whose logits make row r emit the README's tokens (from offset 97 r)."""
+    forward replaced by a stub whose logits make row r emit the README's tokens (from offset 97 r).
+    ``speculative`` > 0: MTP speculation with that many drafts at most, its policy fixed at k = 0 and the MTP
+    layer's forward stubbed too."""
     from glm5.engine.args import EngineArgs
     from glm5.engine.llm_engine import LLMEngine
+    from glm5.engine.spec_policy import FixedK
     from glm5.layers.glm5 import ModelOutput
     from glm5.sampling_params import SamplingParams
     eng = LLMEngine(EngineArgs(model=str(ckpt), max_num_seqs=batch, max_model_len=8192, cache_memory_gb=1.0,
-                               decode_path="batched", load_progress=False))
+                               decode_path="batched", load_progress=False, num_speculative_tokens=speculative))
+    if speculative:
+        if eng.spec is None:
+            raise RuntimeError("the engine runs no batched speculation; --decode-path batched and an MTP layer needed")
+        eng.k_policy = FixedK(0)
+        hidden_size = eng.model_config.text.hidden_size
+
+        def mtp_forward(fwd_batch, hidden, cache):
+            n = int(fwd_batch.logits_indices.shape[0])
+            return torch.zeros(n, eng.model_config.text.vocab_size), torch.zeros(hidden.shape[0], hidden_size)
+        eng.runner.mtp.forward = mtp_forward
     text_ids = eng.tokenizer.encode((ROOT / "README.md").read_text() * 2, add_special_tokens=False)
     for i in range(batch):
         sp = SamplingParams(max_tokens=1 << 20, ignore_eos=True, **ENGINE_MODES[mode](i))
@@ -149,8 +167,21 @@ def time_engine_step(batch: int, mode: str, steps: int, ckpt: Path) -> dict:
     """Median ms of ``LLMEngine.step`` over ``steps`` decode steps of ``batch`` requests (forward stubbed), and
     the mean ms per step of each part in :data:`ENGINE_PARTS`."""
     eng = decoding_engine(batch, mode, ckpt)
-    spent = {label: 0.0 for label, _ in ENGINE_PARTS}
-    for label, path in ENGINE_PARTS:
+    times, spent = _time_parts(eng, ENGINE_PARTS, steps, warmup=10)
+    assert len(eng.scheduler.running) == batch, "a request left the batch during the timing"
+    step_ms = statistics.median(times) * 1e3
+    return {"batch": batch, "mode": mode, "step_ms": step_ms, "us_per_request": step_ms * 1e3 / batch,
+            "parts_ms": {k: v / steps * 1e3 for k, v in spent.items()}}
+
+
+#: (label, object attribute path) of the extra parts a speculative engine's k = 0 step has
+SPEC_PARTS = (("propose", "spec.propose"), ("drain", "spec._catch_up"))
+
+
+def _wrap_parts(eng, parts) -> dict[str, float]:
+    """Wrap each ``(label, attribute path)`` of ``eng`` so that its calls add their seconds to the returned dict."""
+    spent = {label: 0.0 for label, _ in parts}
+    for label, path in parts:
         owner_path, _, name = path.rpartition(".")
         owner = operator.attrgetter(owner_path)(eng) if owner_path else eng
         inner = getattr(owner, name)
@@ -162,18 +193,52 @@ def time_engine_step(batch: int, mode: str, steps: int, ckpt: Path) -> dict:
             finally:
                 spent[_label] += time.perf_counter() - t0
         setattr(owner, name, timed_part)
-    for _ in range(10):
+    return spent
+
+
+def _timed_step(eng) -> float:
+    t0 = time.perf_counter()
+    eng.step()
+    return time.perf_counter() - t0
+
+
+def _time_parts(eng, parts, steps: int, warmup: int) -> tuple[list[float], dict[str, float]]:
+    """Per-step seconds of ``steps`` engine steps after ``warmup``, and seconds spent in each part."""
+    spent = _wrap_parts(eng, parts)
+    for _ in range(warmup):
         eng.step()
     spent.update({k: 0.0 for k in spent})
-    times = []
+    return [_timed_step(eng) for _ in range(steps)], spent
+
+
+def time_spec_k0(batch: int, steps: int, ckpt: Path) -> dict:
+    """The engine step (forwards stubbed, greedy) without MTP and with MTP speculation held at k = 0, the two
+    engines stepped alternately (a slow stretch of this machine hits both alike) over the same ``steps``
+    (a multiple of the backlog cap keeps the drains in proportion): mean and median ms, the slow steps (the
+    drains), and ms per step of each part."""
+    from glm5.engine.spec_batched import MAX_BACKLOG
+    engines = {"plain": decoding_engine(batch, "greedy", ckpt), "spec_k0": decoding_engine(batch, "greedy", ckpt, 3)}
+    spent = {name: _wrap_parts(eng, ENGINE_PARTS + (SPEC_PARTS if name == "spec_k0" else ()))
+             for name, eng in engines.items()}
+    for _ in range(10):
+        for eng in engines.values():
+            eng.step()
+    for d in spent.values():
+        d.update({k: 0.0 for k in d})
+    times: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(steps):
-        t0 = time.perf_counter()
-        eng.step()
-        times.append(time.perf_counter() - t0)
-    assert len(eng.scheduler.running) == batch, "a request left the batch during the timing"
-    step_ms = statistics.median(times) * 1e3
-    return {"batch": batch, "mode": mode, "step_ms": step_ms, "us_per_request": step_ms * 1e3 / batch,
-            "parts_ms": {k: v / steps * 1e3 for k, v in spent.items()}}
+        for name, eng in engines.items():
+            times[name].append(_timed_step(eng))
+    out: dict = {"batch": batch, "steps": steps, "max_backlog": MAX_BACKLOG, "interleaved": True}
+    for name, eng in engines.items():
+        assert len(eng.scheduler.running) == batch, "a request left the batch during the timing"
+        ts = times[name]
+        med = statistics.median(ts)
+        out[name] = {"mean_ms": statistics.fmean(ts) * 1e3, "median_ms": med * 1e3,
+                     "slow_steps": sum(t > 3 * med for t in ts), "max_ms": max(ts) * 1e3,
+                     "parts_ms": {k: v / steps * 1e3 for k, v in spent[name].items()}}
+    out["mean_ratio"] = out["spec_k0"]["mean_ms"] / out["plain"]["mean_ms"]
+    return out
 
 
 def time_cpu_generator_draw(vocab: int = REAL_VOCAB, reps: int = 50) -> float:
@@ -200,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--engine-steps", type=int, default=100, help="timed engine steps per batch and mode")
     ap.add_argument("--tokenizer", help="tokenizer folder for the detokenizer timing (default: the tiny checkpoint's)")
+    ap.add_argument("--spec-steps", type=int, default=256,
+                    help="timed steps of the speculative k = 0 comparison per batch (0: skip it)")
+    ap.add_argument("--spec-batches", type=int, nargs="+", default=[8, 32])
     args = ap.parse_args(argv)
     max_len = args.max_model_len or max(args.contexts) + 2 * args.block_size
     max_blocks = -(-max_len // args.block_size)
@@ -225,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
                 row = time_engine_step(b, mode, args.engine_steps, ckpt)
                 out["engine_step"].append(row)
                 print(json.dumps(row), flush=True)
+        out["spec_k0"] = []
+        for b in args.spec_batches if args.spec_steps else ():
+            row = time_spec_k0(b, args.spec_steps, ckpt)
+            out["spec_k0"].append(row)
+            print(json.dumps(row), flush=True)
     out["cpu_generator_draw_us"] = {"vocab": REAL_VOCAB, "us_per_row": time_cpu_generator_draw()}
     print(json.dumps(out["cpu_generator_draw_us"]), flush=True)
     out["detokenizer"] = time_detokenizer(args.tokenizer)

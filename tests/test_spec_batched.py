@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from glm5.config import ModelConfig
-from glm5.engine.spec_batched import BatchedSpeculation
+from glm5.engine.spec_batched import BatchedSpeculation, MTPBacklog
 from glm5.layers.speculative import kda_state_bytes, per_row_state_bytes, verify_buffer_bytes
 from glm5.sampling_params import SamplingParams
 from oracle import ScriptedK, engine, greedy, hf_greedy, make_pair, random_prompt
@@ -278,3 +278,17 @@ def test_backlog_drains_replay_their_graphs_and_draft_as_eager_on_cpu(pair, monk
     assert runs[True][2]["steps"] > 0 and len(runs[True][1]) >= 2
     assert len(runs[True][3]) >= 4 and all(k[2] == DRAIN_ROWS for k in runs[True][3])   # two rounds x 2 passes
     assert not runs[False][3]
+
+
+def test_backlog_keeps_its_row_count_and_order():
+    """The backlog's length is kept as rows arrive (asked of every request on every k = 0 step), and ``take``
+    returns the rows in arrival order followed by the extra ones."""
+    rows = [torch.full((n, 3), float(i)) for i, n in enumerate((1, 2, 1))]
+    b = MTPBacklog(7, rows[:1])
+    assert len(b) == 1 and b.first_position == 7
+    for r in rows[1:]:
+        b.append(r)
+    assert len(b) == 4 == sum(r.shape[0] for r in b.rows)
+    got = b.take(torch.full((2, 3), 9.0))
+    assert got[:, 0].tolist() == [0.0, 1.0, 1.0, 2.0, 9.0, 9.0]
+    assert len(MTPBacklog(0, [torch.zeros(5, 3), torch.zeros(2, 3)])) == 7

@@ -36,9 +36,9 @@ per token) and keeps the window bookkeeping above only for what that decoder doe
 invalid bytes after ``MAX_PENDING_TOKENS``, :meth:`IncrementalDetokenizer.flush`, a prompt whose text ends
 mid-character (the library decoder would take none of it as context) and a decoder whose text stops extending
 its prefix (the library raises; the window path cuts by length). The window path's two HF
-``decode`` calls per token run on the host between decode steps, for every request of the batch: 14 µs per
-token against 3.3 µs for the stream on the project's 2-core CPU machine with the tiny checkpoint's tokenizer
-and the README's text (``bench/host_cost.py``, ``bench/results/host_cost_cpu.json``).
+``decode`` calls per token run on the host between decode steps, for every request of the batch: about five
+times the stream's cost per token (18 against 3.8 µs in one run) on the project's 2-core CPU machine with the
+tiny checkpoint's tokenizer and the README's text (``bench/host_cost.py``, ``bench/results/host_cost_cpu.json``).
 """
 
 from __future__ import annotations

@@ -555,6 +555,8 @@ class LLMEngine:
         return tokens
 
     def _num_drafts(self, seq: Sequence) -> int:
+        if not self._k_next:  # the policy chose no speculation (the common step where it does not pay)
+            return 0
         p = seq.params
         if p.logprobs is not None or p.bad_words:  # logprobs / bad words are applied on the sampling path
             return 0                                  # only, not to verified drafts: no speculation

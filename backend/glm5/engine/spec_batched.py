@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,13 +44,24 @@ DRAIN_ROWS = 16    # backlog rows per request of one drain pass (a captured grap
 
 @dataclass
 class MTPBacklog:
-    """Target hidden rows at positions ``first_position ..`` that the MTP layer has not processed yet."""
+    """Target hidden rows at positions ``first_position ..`` that the MTP layer has not processed yet.
+
+    The row count is kept as rows arrive: every k = 0 step asks each request for it, and summing a list of up
+    to ``MAX_BACKLOG`` pieces per request per step made the backlog quadratic in host time."""
 
     first_position: int
     rows: list[torch.Tensor]
+    count: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.count = sum(r.shape[0] for r in self.rows)
 
     def __len__(self) -> int:
-        return sum(r.shape[0] for r in self.rows)
+        return self.count
+
+    def append(self, rows: torch.Tensor) -> None:
+        self.rows.append(rows)
+        self.count += rows.shape[0]
 
     def take(self, more: torch.Tensor | None = None) -> torch.Tensor:
         return torch.cat(self.rows + ([more] if more is not None else []))
@@ -232,8 +243,9 @@ class BatchedSpeculation:
         ``draft_probs``; when nobody drafts, the rows go to the backlogs instead. True when the MTP layer
         ran (a drafting step, or a full backlog drained)."""
         t = res.rows_per_seq
-        rows = [(seq, res.first_positions[i], res.hidden[i * t: i * t + res.accepted[i] + 1], want)
-                for i, seq, want in live]
+        per_request = res.hidden.split(t)  # one view per request in one call, cut below only where drafts failed
+        rows = [(seq, res.first_positions[i], per_request[i] if res.accepted[i] + 1 == t else
+                 per_request[i][: res.accepted[i] + 1], want) for i, seq, want in live]
         if not any(w for *_, w in rows):
             # nobody drafts: the rows join the backlogs as they are (a list, no copy per step); a backlog that
             # reached MAX_BACKLOG rows is caught up without drafting
@@ -242,7 +254,7 @@ class BatchedSpeculation:
                 if seq.mtp_backlog is None:
                     seq.mtp_backlog = MTPBacklog(first, [rows_h])
                 else:
-                    seq.mtp_backlog.rows.append(rows_h)
+                    seq.mtp_backlog.append(rows_h)
                 if len(seq.mtp_backlog) >= MAX_BACKLOG:
                     drain.append((seq, seq.mtp_backlog.first_position, seq.mtp_backlog.take(), 0))
                     seq.mtp_backlog = None
