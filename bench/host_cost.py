@@ -40,6 +40,7 @@ import operator
 import platform
 import statistics
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -78,8 +79,6 @@ def time_stage(batch: int, ctx: int, max_blocks: int, block_size: int, steps: in
 
 def time_detokenizer(tokenizer_dir: str | None, tokens: int = 3000) -> dict:
     """µs per token of the streaming and the window detokenizer on the README's tokens (20 before as context)."""
-    import tempfile
-
     from transformers import AutoTokenizer
 
     from glm5.detokenizer import IncrementalDetokenizer
@@ -167,7 +166,7 @@ def time_engine_step(batch: int, mode: str, steps: int, ckpt: Path) -> dict:
     """Median ms of ``LLMEngine.step`` over ``steps`` decode steps of ``batch`` requests (forward stubbed), and
     the mean ms per step of each part in :data:`ENGINE_PARTS`."""
     eng = decoding_engine(batch, mode, ckpt)
-    times, spent = _time_parts(eng, ENGINE_PARTS, steps, warmup=10)
+    times, spent = _time_steps({mode: (eng, ENGINE_PARTS)}, steps)[mode]
     assert len(eng.scheduler.running) == batch, "a request left the batch during the timing"
     step_ms = statistics.median(times) * 1e3
     return {"batch": batch, "mode": mode, "step_ms": step_ms, "us_per_request": step_ms * 1e3 / batch,
@@ -196,47 +195,40 @@ def _wrap_parts(eng, parts) -> dict[str, float]:
     return spent
 
 
-def _timed_step(eng) -> float:
-    t0 = time.perf_counter()
-    eng.step()
-    return time.perf_counter() - t0
-
-
-def _time_parts(eng, parts, steps: int, warmup: int) -> tuple[list[float], dict[str, float]]:
-    """Per-step seconds of ``steps`` engine steps after ``warmup``, and seconds spent in each part."""
-    spent = _wrap_parts(eng, parts)
+def _time_steps(engines: dict[str, tuple[object, tuple]], steps: int, warmup: int = 10
+                ) -> dict[str, tuple[list[float], dict[str, float]]]:
+    """Per name: seconds of each of ``steps`` engine steps after ``warmup`` untimed ones, and seconds spent in
+    each of its ``(label, attribute path)`` parts. Several engines step alternately, one step each in turn, so
+    that a slow stretch of this machine hits them alike."""
+    spent = {name: _wrap_parts(eng, parts) for name, (eng, parts) in engines.items()}
     for _ in range(warmup):
-        eng.step()
-    spent.update({k: 0.0 for k in spent})
-    return [_timed_step(eng) for _ in range(steps)], spent
-
-
-def time_spec_k0(batch: int, steps: int, ckpt: Path) -> dict:
-    """The engine step (forwards stubbed, greedy) without MTP and with MTP speculation held at k = 0, the two
-    engines stepped alternately (a slow stretch of this machine hits both alike) over the same ``steps``
-    (a multiple of the backlog cap keeps the drains in proportion): mean and median ms, the slow steps (the
-    drains), and ms per step of each part."""
-    from glm5.engine.spec_batched import MAX_BACKLOG
-    engines = {"plain": decoding_engine(batch, "greedy", ckpt), "spec_k0": decoding_engine(batch, "greedy", ckpt, 3)}
-    spent = {name: _wrap_parts(eng, ENGINE_PARTS + (SPEC_PARTS if name == "spec_k0" else ()))
-             for name, eng in engines.items()}
-    for _ in range(10):
-        for eng in engines.values():
+        for eng, _ in engines.values():
             eng.step()
     for d in spent.values():
         d.update({k: 0.0 for k in d})
     times: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(steps):
-        for name, eng in engines.items():
-            times[name].append(_timed_step(eng))
+        for name, (eng, _) in engines.items():
+            t0 = time.perf_counter()
+            eng.step()
+            times[name].append(time.perf_counter() - t0)
+    return {name: (times[name], spent[name]) for name in engines}
+
+
+def time_spec_k0(batch: int, steps: int, ckpt: Path) -> dict:
+    """The engine step (forwards stubbed, greedy) without MTP and with MTP speculation held at k = 0, the two
+    engines stepped alternately over the same ``steps`` (a multiple of the backlog cap keeps the drains in
+    proportion): mean and median ms, the slow steps (the drains), and ms per step of each part."""
+    from glm5.engine.spec_batched import MAX_BACKLOG
+    engines = {"plain": (decoding_engine(batch, "greedy", ckpt), ENGINE_PARTS),
+               "spec_k0": (decoding_engine(batch, "greedy", ckpt, 3), ENGINE_PARTS + SPEC_PARTS)}
     out: dict = {"batch": batch, "steps": steps, "max_backlog": MAX_BACKLOG, "interleaved": True}
-    for name, eng in engines.items():
-        assert len(eng.scheduler.running) == batch, "a request left the batch during the timing"
-        ts = times[name]
+    for name, (ts, spent) in _time_steps(engines, steps).items():
+        assert len(engines[name][0].scheduler.running) == batch, "a request left the batch during the timing"
         med = statistics.median(ts)
         out[name] = {"mean_ms": statistics.fmean(ts) * 1e3, "median_ms": med * 1e3,
                      "slow_steps": sum(t > 3 * med for t in ts), "max_ms": max(ts) * 1e3,
-                     "parts_ms": {k: v / steps * 1e3 for k, v in spent[name].items()}}
+                     "parts_ms": {k: v / steps * 1e3 for k, v in spent.items()}}
     out["mean_ratio"] = out["spec_k0"]["mean_ms"] / out["plain"]["mean_ms"]
     return out
 
@@ -283,7 +275,6 @@ def main(argv: list[str] | None = None) -> int:
                    "fresh_lists_us": time_stage(b, ctx, max_blocks, args.block_size, args.steps, fresh=True)}
             out["stage"].append(row)
             print(json.dumps(row), flush=True)
-    import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         from glm5.tiny_checkpoint import make_tiny_checkpoint
         ckpt = make_tiny_checkpoint(Path(tmp) / "ckpt")

@@ -186,7 +186,6 @@ def test_fla_kda_matches_torch_reference(n_tok, dtype):
     assert torch.equal(state[untouched].cpu(), pool[untouched])
 
 
-
 def test_seeded_sampling_on_gpu_draws_on_the_gpu_and_ignores_the_batch(refs_and_ckpt):
     """A seeded request's generator lives on the engine's device (a CPU one drew the whole vocabulary on the
     host every step), and its tokens are the same alone and among other seeded, unseeded and greedy requests,
