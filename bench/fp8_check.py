@@ -52,11 +52,11 @@ from glm5_kernels.fp8_ref import (
 )
 
 #: (name, N, K) of the GLM-5.3-Flash linears that are fp8 (model-spec §10), deduplicated by shape.
-SHAPES = [("mla.q_a", 1536, 4096), ("mla.q_b", 16384, 1536), ("mla.kv_a", 512, 4096), ("mla.kv_b", 32768, 512),
+#: The model runs q_a | kv_a | wk as one weight and a SwiGLU's gate | up as one (glm5.layers.linear.MultiOutputLinear).
+SHAPES = [("mla.x (q_a|kv_a|wk)", 2176, 4096), ("mla.q_b", 16384, 1536), ("mla.kv_b", 32768, 512),
           ("mla.o", 4096, 16384), ("kda.in (q|k|v|f_a|g_a|b)", 24896, 4096), ("kda.f_b/g_b", 8192, 128),
-          ("kda.o / mtp.eh", 4096, 8192), ("indexer.wq_b", 4096, 1536), ("indexer.wk / f_a", 128, 4096),
-          ("dense.gate/up", 12288, 4096), ("dense.down", 4096, 12288), ("shared.gate/up", 2048, 4096),
-          ("shared.down", 4096, 2048)]
+          ("kda.o / mtp.eh", 4096, 8192), ("indexer.wq_b", 4096, 1536), ("dense.gate|up", 24576, 4096),
+          ("dense.down", 4096, 12288), ("shared.gate|up", 4096, 4096), ("shared.down", 4096, 2048)]
 MS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
 GRAPH_MAX_M = 256
 #: GEMV tile candidates besides the default: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages).
@@ -90,7 +90,7 @@ def weights(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Ten
 
 
 # ------------------------------------------------------------------------------------------------ checks
-def run_checks(log: Callable[[dict], None]) -> list[dict]:
+def run_checks(log: Callable[[dict], None], shapes: list[tuple[str, int, int]] = SHAPES) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(0)
     out: list[dict] = []
 
@@ -114,7 +114,7 @@ def run_checks(log: Callable[[dict], None]) -> list[dict]:
         return {"ok": same, "values_differ": int((q.view(torch.uint8) != rq.view(torch.uint8)).sum())}
     check("per_token_group_quant bit-exact", quant)
 
-    for name, n, k in SHAPES:
+    for name, n, k in shapes:
         def gemv(n=n, k=k) -> dict:
             _, w8, s = weights(n, k, g)
             errs = {}
@@ -307,6 +307,8 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=240.0, help="wall-clock budget; timings stop when spent")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated M values")
     ap.add_argument("--no-checks", action="store_true", help="timings only (the GPU tests check the same kernels)")
+    ap.add_argument("--shapes", default="", help="comma-separated shape names (prefixes of SHAPES' names) to check "
+                    "and time; empty: all")
     ap.add_argument("--moe-tokens", default="1,8,64,256",
                     help="comma-separated token counts for the fused-MoE timings (empty: none)")
     ap.add_argument("--write-table", action="store_true",
@@ -323,11 +325,15 @@ def main() -> int:
                            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                            "triton": triton.__version__, "command": " ".join(sys.argv),
                            "scaled_mm_block_supported": fl.scaled_mm_block_supported()}
-    res["checks"] = [] if args.no_checks else run_checks(log)
+    wanted = [v for v in args.shapes.split(",") if v]
+    shapes = [sh for sh in SHAPES if not wanted or any(sh[0].startswith(w) for w in wanted)]
+    if not shapes:
+        raise SystemExit(f"--shapes {args.shapes!r} names none of {[sh[0] for sh in SHAPES]}")
+    res["checks"] = [] if args.no_checks else run_checks(log, shapes)
     deadline = t0 + args.budget_s
     ms = [int(v) for v in args.ms.split(",") if v]
     res["timings"] = []
-    for name, n, k in SHAPES:
+    for name, n, k in shapes:
         try:
             res["timings"] += time_shape(name, n, k, ms, deadline, log)
         except Exception as e:  # OOM at 16384 x 32768 etc.: keep the other shapes

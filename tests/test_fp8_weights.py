@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from glm5.engine import EngineArgs, LLMEngine
-from glm5.layers.linear import ConcatMethod, Fp8BlockMethod, HeadLinear, Linear, UnquantizedMethod, split_heads
+from glm5.layers.linear import ConcatMethod, Fp8BlockMethod, HeadLinear, Linear, MultiOutputLinear, UnquantizedMethod, \
+    split_heads
 from glm5.sampling_params import SamplingParams
 from glm5.weights import (
     SCALE_SUFFIX,
@@ -127,6 +128,34 @@ def test_concat_of_unalignable_parts_runs_one_gemm_per_run():
     assert torch.allclose(cat(x), want, atol=1e-5, rtol=1e-5)
     plain = Linear.concat([Linear(torch.randn(5, 8)), Linear(torch.randn(3, 8))])
     assert isinstance(plain.method, UnquantizedMethod) and plain.out_features == 8
+
+
+def test_multi_output_linear_merges_what_can_share_a_weight_and_returns_each_part():
+    """MLA's x projections in fp8: q_a | kv_a | wk (whole 128-row blocks) merge into one fp8 GEMM, the bf16
+    compress gate is a second; each part's output is a view of its GEMM's output, equal to the part alone."""
+    parts = [_fp8_linear(n, 256, i) for i, n in enumerate((256, 128, 128))]
+    gate = torch.randn(96, 256)
+    fused = MultiOutputLinear([p for p, _ in parts] + [Linear(gate)])
+    assert [len(sizes) for _, sizes in fused.runs] == [3, 1]
+    assert isinstance(fused.runs[0][0].method, Fp8BlockMethod) and fused.out_features == (256, 128, 128, 96)
+    x = torch.randn(5, 256)
+    outs = fused(x)
+    for got, want in zip(outs, [w for _, w in parts] + [gate]):
+        assert torch.equal(got, torch.nn.functional.linear(x, want))
+    assert outs[1].data_ptr() == outs[0].data_ptr() + 256 * 4       # a column view, not a copy
+    # a partial fp8 block ends a run; plain weights of one dtype always merge
+    a, wa = _fp8_linear(64, 128, 7)
+    b, wb = _fp8_linear(128, 128, 8)
+    assert [len(sz) for _, sz in MultiOutputLinear([a, b]).runs] == [1, 1]
+    plain = MultiOutputLinear([Linear(torch.randn(5, 8)), Linear(torch.randn(3, 8))])
+    assert len(plain.runs) == 1 and plain.out_features == (5, 3)
+    with pytest.raises(ValueError, match="one input width"):
+        MultiOutputLinear([Linear(torch.randn(5, 8)), Linear(torch.randn(3, 9))])
+    biased = MultiOutputLinear([Linear(torch.randn(5, 8), torch.randn(5)), Linear(torch.randn(3, 8), torch.randn(3))])
+    x = torch.randn(2, 8)
+    assert len(biased.runs) == 1 and all(torch.allclose(got, p(x)) for got, p in zip(biased(x), [
+        Linear(biased.runs[0][0].weight[:5], biased.runs[0][0].bias[:5]),
+        Linear(biased.runs[0][0].weight[5:], biased.runs[0][0].bias[5:])]))
 
 
 def test_absorbed_kv_b_views_stay_fp8_when_head_dims_are_whole_blocks():
@@ -423,6 +452,11 @@ def test_engine_fp8_on_block_aligned_shapes(aligned_fp8_checkpoint):
     kda = next(layer.attn for layer in model.layers if hasattr(layer.attn, "in_proj"))
     mla = next(layer.attn for layer in model.layers if hasattr(layer.attn, "w_uk_t"))
     assert isinstance(kda.in_proj.method, Fp8BlockMethod)          # one fp8 GEMM for q|k|v|f_a|g_a|b
+    # q_a | kv_a | wk: one fp8 GEMM, the bf16 compress gate a second; a SwiGLU's gate | up: one fp8 GEMM
+    assert [len(sizes) for _, sizes in mla.x_proj.runs] == [3, 1]
+    assert isinstance(mla.x_proj.runs[0][0].method, Fp8BlockMethod)
+    mlp = model.layers[0].mlp
+    assert len(mlp.gate_up.runs) == 1 and isinstance(mlp.gate_up.runs[0][0].method, Fp8BlockMethod)
     assert mla.w_uk_t.quantized and mla.w_uv.quantized              # absorbed views kept in fp8
     assert mla.w_uv.weight.data_ptr() == mla.kv_b.method.weight.data_ptr() + 128 * 128  # W_UV: a view of kv_b
     got = [o.token_ids for o in fp8.generate(PROMPTS, params)]

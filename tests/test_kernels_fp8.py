@@ -197,11 +197,11 @@ def test_default_choice_per_shape():
 
 
 # ------------------------------------------------------------------------------------------------ GPU
-#: The GLM-5.3-Flash linears (N, K): MLA q_a, q_b, kv_a, kv_b, o; KDA fused input (q|k|v|f_a|g_a|b, 24896 rows),
-#: f_b/g_b, o; indexer wq_b, wk; dense gate/up, down; shared expert gate/up, down; MTP eh_proj.
-REAL_SHAPES = [(1536, 4096), (16384, 1536), (512, 4096), (32768, 512), (4096, 16384), (24896, 4096), (8192, 128),
-               (4096, 8192), (4096, 1536), (128, 4096), (12288, 4096), (4096, 12288), (2048, 4096), (4096, 2048),
-               (4096, 8192)]
+#: The GLM-5.3-Flash linears (N, K) as the model runs them: MLA q_a|kv_a|wk (one weight, 2176 rows), q_b, kv_b, o;
+#: KDA fused input (q|k|v|f_a|g_a|b, 24896 rows), f_b/g_b, o; indexer wq_b; dense gate|up (one weight), down;
+#: shared expert gate|up, down; MTP eh_proj.
+REAL_SHAPES = [(2176, 4096), (16384, 1536), (32768, 512), (4096, 16384), (24896, 4096), (8192, 128), (4096, 8192),
+               (4096, 1536), (24576, 4096), (4096, 12288), (4096, 4096), (4096, 2048)]
 W8A16_BOUND = 1e-2
 W8A8_BOUND = 1e-2
 W8A8_VS_W8A16_BOUND = 6e-2

@@ -85,7 +85,7 @@ def test_prefill_select_equals_the_visibility_mask(tiny_checkpoint_dir):
     for ctx, n in ((0, 12), (0, 40), (25, 30), (50, 3)):
         s = SeqChunk(0, n, ctx, bt, 0)
         x = torch.randn(n, hidden, generator=g)
-        q_resid = torch.randn(n, layer.q_a.out_features, generator=g)
+        q_resid = torch.randn(n, layer.q_lora_rank, generator=g)
         pos = torch.arange(ctx, ctx + n)
         idx, counts = layer.indexer.prefill_select(x, q_resid, s, pos, cache, layer.layer)
         visible = layer.indexer.visible(x, q_resid, s, cache, layer.layer)

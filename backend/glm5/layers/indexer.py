@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from glm5.cache.hybrid_cache import HybridCache
 from glm5.config import TextConfig
@@ -55,25 +54,34 @@ class KPoolIndexer:
     gate) is shared by all heads, so the key path and the pool / tail caches are replicated."""
 
     def __init__(self, weights: dict[str, torch.Tensor], prefix: str, cfg: TextConfig,
-                 par: ParallelContext | None = None):
+                 par: ParallelContext | None = None, own_key_proj: bool = True):
+        """``own_key_proj=False``: the caller computes ``wk`` and the compress gate of ``x`` in its own fused
+        input projection (:meth:`key_projections`) and passes them to :meth:`keys`."""
         self.par = par or ParallelContext.single()
         self.cfg = cfg
         self.wq_b = Linear.load(weights, f"{prefix}.wq_b")
-        self.wk = Linear.load(weights, f"{prefix}.wk")
+        self.wk = Linear.load(weights, f"{prefix}.wk") if own_key_proj else None
         self.k_norm_w = weights[f"{prefix}.k_norm.weight"]
         self.k_norm_b = weights[f"{prefix}.k_norm.bias"]
         self.w_heads = Linear.load(weights, f"{prefix}.weights_proj")
-        self.gate = Linear(weights[f"{prefix}.index_kpool_compress_gate"])
+        self.gate = Linear(weights[f"{prefix}.index_kpool_compress_gate"]) if own_key_proj else None
         self.ape = weights[f"{prefix}.index_kpool_compress_ape"].float()
         self.kpool = cfg.index_kpool
         self.n_heads, self.head_dim = cfg.index_n_heads // self.par.tp_size, cfg.index_head_dim
         self.head_w_scale = cfg.index_n_heads ** -0.5  # the model's head count, not the rank's
         self.n_select = cfg.index_topk // cfg.index_kpool
 
-    def keys(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-token raw index state ``[T, 2*d] = key | gate score``."""
-        k = layer_norm(self.wk(x), self.k_norm_w, self.k_norm_b, 1e-6)
-        return torch.cat([k, self.gate(x)], dim=-1)
+    @staticmethod
+    def key_projections(weights: dict[str, torch.Tensor], prefix: str) -> list[Linear]:
+        """``wk`` and the pool compress gate, the two linears of ``x`` behind :meth:`keys`."""
+        return [Linear.load(weights, f"{prefix}.wk"), Linear(weights[f"{prefix}.index_kpool_compress_gate"])]
+
+    def keys(self, x: torch.Tensor, projected: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Per-token raw index state ``[T, 2*d] = key | gate score``; ``projected`` = (``wk(x)``, ``gate(x)``)
+        when the caller computed them (``own_key_proj=False``)."""
+        k_raw, gate = projected if projected is not None else (self.wk(x), self.gate(x))
+        k = layer_norm(k_raw, self.k_norm_w, self.k_norm_b, 1e-6)
+        return torch.cat([k, gate], dim=-1)
 
     def write(self, raw: torch.Tensor, seq: SeqChunk, cache: HybridCache, layer: int,
               records: dict | None = None) -> None:

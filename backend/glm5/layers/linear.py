@@ -156,6 +156,27 @@ def _merge(a: LinearMethod, b: LinearMethod) -> LinearMethod | None:
     return None
 
 
+def _merged_runs(methods: list[LinearMethod]) -> list[tuple[LinearMethod, int]]:
+    """Consecutive methods merged wherever their storage can be one weight (:func:`_merge`): each run's method
+    and how many of the given methods it holds, in order."""
+    runs: list[tuple[LinearMethod, int]] = []
+    for m in methods:
+        merged = _merge(runs[-1][0], m) if runs else None
+        if merged is None:
+            runs.append((m, 1))
+        else:
+            runs[-1] = (merged, runs[-1][1] + 1)
+    return runs
+
+
+def _check_parts(parts: list["Linear"]) -> None:
+    """Linears that are computed side by side: one input width, a bias on all or none."""
+    if not parts or len({p.in_features for p in parts}) != 1:
+        raise ValueError(f"concatenated linears need one input width, got {[p.in_features for p in parts]}")
+    if len({p.bias is None for p in parts}) != 1:
+        raise ValueError("concatenated linears must all have a bias or none")
+
+
 class Linear:
     """A weight (stored by a :class:`LinearMethod`) and an optional bias ``[out_features]``.
 
@@ -189,23 +210,13 @@ class Linear:
         for fp8 every part but the last of a run a whole number of 128-row scale blocks (the KDA input
         projection q|k|v|f_a|g_a|b merges in fp8 because only its last part, b with 64 rows, is partial).
         Otherwise the result runs one GEMM per run (:class:`ConcatMethod`) and says so in the log."""
-        biases = [p.bias for p in parts]
-        if any(b is not None for b in biases) and any(b is None for b in biases):
-            raise ValueError("concatenated linears must all have a bias or none")
-        if len({p.in_features for p in parts}) != 1:
-            raise ValueError(f"concatenated linears need one input width, got {[p.in_features for p in parts]}")
-        bias = None if biases[0] is None else torch.cat(biases)
-        runs: list[LinearMethod] = [parts[0].method]
-        for p in parts[1:]:
-            merged = _merge(runs[-1], p.method)
-            if merged is None:
-                runs.append(p.method)
-            else:
-                runs[-1] = merged
+        _check_parts(parts)
+        bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+        runs = [m for m, _ in _merged_runs([p.method for p in parts])]
         if len(runs) == 1:
             return cls(runs[0], bias)
         logger.debug("concatenated linear of %d parts runs as %d GEMMs (%s): their storage cannot be one weight",
-                    len(parts), len(runs), ", ".join(type(r).__name__ for r in runs))
+                     len(parts), len(runs), ", ".join(type(r).__name__ for r in runs))
         return cls(ConcatMethod(tuple(runs)), bias)
 
     @property
@@ -237,6 +248,37 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(x, self.bias)
+
+
+class MultiOutputLinear:
+    """Linears that read one input, run as few GEMMs as their storage allows; the call returns each part's own
+    output (column views of a shared GEMM output, no copy).
+
+    At decode every projection is a GEMV whose time is mostly launch and ramp-up, not bytes: MLA's
+    ``q_a | kv_a | wk | compress gate`` as one GEMV (bf16; in fp8 the three fp8 parts and the bf16 gate are two)
+    instead of four, a SwiGLU's gate and up as one. Consecutive parts whose storage can be one weight are merged
+    (:func:`_merge`, as :meth:`Linear.concat` does); the parts' own weights are not kept."""
+
+    def __init__(self, parts: list[Linear]):
+        _check_parts(parts)
+        self.runs: list[tuple[Linear, tuple[int, ...]]] = []
+        first = 0
+        for method, count in _merged_runs([p.method for p in parts]):
+            run = parts[first: first + count]
+            bias = None if run[0].bias is None else torch.cat([p.bias for p in run])
+            self.runs.append((Linear(method, bias), tuple(p.out_features for p in run)))
+            first += count
+
+    @property
+    def out_features(self) -> tuple[int, ...]:
+        return tuple(n for _, sizes in self.runs for n in sizes)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for lin, sizes in self.runs:
+            y = lin(x)
+            out.extend(y.split(sizes, dim=-1) if len(sizes) > 1 else (y,))
+        return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from glm5.layers.backends import attn_backend, decode_attn_backend
 from glm5.layers.batch import ForwardBatch, SeqChunk
 from glm5.layers.elementwise import rms_norm
 from glm5.layers.indexer import KPoolIndexer
-from glm5.layers.linear import Linear, split_heads
+from glm5.layers.linear import Linear, MultiOutputLinear, split_heads
 from glm5.layers.parallel import RowParallelLinear
 
 ABSORB_MAX_TOKENS = 8
@@ -42,10 +42,14 @@ class MLALayer:
         self.layer, self.cfg = layer, cfg
         self.heads = cfg.num_attention_heads // par.tp_size
         self.d_qk, self.d_v, self.rank = cfg.qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        self.q_a = Linear.load(weights, f"{p}.q_a_proj")
+        # everything that reads the block input x in one GEMM (two in fp8: the bf16 compress gate is separate):
+        # q_a, kv_a, the indexer's wk and its pool compress gate
+        self.x_proj = MultiOutputLinear([Linear.load(weights, f"{p}.q_a_proj"),
+                                         Linear.load(weights, f"{p}.kv_a_proj_with_mqa"),
+                                         *KPoolIndexer.key_projections(weights, f"{p}.indexer")])
+        self.q_lora_rank = self.x_proj.out_features[0]
         self.q_a_norm = weights[f"{p}.q_a_layernorm.weight"]
         self.q_b = Linear.load(weights, f"{p}.q_b_proj")
-        self.kv_a = Linear.load(weights, f"{p}.kv_a_proj_with_mqa")
         self.kv_a_norm = weights[f"{p}.kv_a_layernorm.weight"]
         self.kv_b = Linear.load(weights, f"{p}.kv_b_proj")
         self.o_proj = RowParallelLinear.load(weights, f"{p}.o_proj", par)
@@ -54,15 +58,16 @@ class MLALayer:
         # (linear.split_heads)
         self.w_uk_t, self.w_uv = split_heads(self.kv_b, self.heads, (self.d_qk, self.d_v), self.q_a_norm.dtype)
         self.scale = self.d_qk ** -0.5
-        self.indexer = KPoolIndexer(weights, f"{p}.indexer", cfg, par)
+        self.indexer = KPoolIndexer(weights, f"{p}.indexer", cfg, par, own_key_proj=False)
         self._kernel_width = self.rank >= 16 and self.rank & (self.rank - 1) == 0  # what the sparse kernel takes
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps
-        q_resid = rms_norm(self.q_a(x), self.q_a_norm, eps)
+        q_a, kv_a, k_raw, index_gate = self.x_proj(x)
+        q_resid = rms_norm(q_a, self.q_a_norm, eps)
         q = self.q_b(q_resid).view(-1, self.heads, self.d_qk)
-        latent = rms_norm(self.kv_a(x), self.kv_a_norm, eps)
-        raw_index = self.indexer.keys(x)
+        latent = rms_norm(kv_a, self.kv_a_norm, eps)
+        raw_index = self.indexer.keys(x, (k_raw, index_gate))
         lat_cache = cache.latent[self.layer]
         if batch.decode is not None:
             return self._decode(x, q_resid, q, latent, raw_index, batch, cache)

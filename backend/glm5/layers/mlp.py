@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from glm5.distributed import ParallelContext
 from glm5.layers.elementwise import clamped_swiglu
-from glm5.layers.linear import Linear
+from glm5.layers.linear import Linear, MultiOutputLinear
 from glm5.layers.parallel import RowParallelLinear
 
 
@@ -35,10 +35,11 @@ class DenseMLP:
     def __init__(self, weights: dict[str, torch.Tensor], prefix: str, limit: float,
                  par: ParallelContext | None = None, reduce: bool = True):
         par = par or ParallelContext.single()
-        self.gate = Linear.load(weights, f"{prefix}.gate_proj")
-        self.up = Linear.load(weights, f"{prefix}.up_proj")
+        # gate and up: one GEMM (two column views of its output)
+        self.gate_up = MultiOutputLinear([Linear.load(weights, f"{prefix}.{n}_proj") for n in ("gate", "up")])
         self.down = RowParallelLinear.load(weights, f"{prefix}.down_proj", par, reduce)
         self.limit = limit
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(clamped_swiglu(self.gate(x), self.up(x), self.limit))
+        gate, up = self.gate_up(x)
+        return self.down(clamped_swiglu(gate, up, self.limit))
