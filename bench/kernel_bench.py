@@ -3,6 +3,10 @@
 Usage (CUDA GPU): ``python bench/kernel_bench.py OUT.json``: sparse NoPE MLA decode (64 heads, 512 latent, 2051 selected
 rows from a 4M-row cache) at several batch sizes; achieved bytes/s vs the measured copy bandwidth.
 
+``python bench/kernel_bench.py --router OUT.json``: the MoE router (288 experts x 4096, top 8) at 1-4096 tokens
+with each epilogue variant (fused into the GEMM's last program, or a separate select launch) and GEMM tiling,
+from CUDA graphs.
+
 ``python bench/kernel_bench.py --small OUT.json``: the latency-bound decode kernels at the bench shapes,
 each replayed from a CUDA graph: the index selection (radix select vs a plain ``torch.topk``) at
 context 1K/8K/32K over the 32K-wide block table, sparse MLA with and without valid counts and several
@@ -74,7 +78,7 @@ def small(out: str) -> None:
         print(json.dumps(row), flush=True)
 
     kp, bs, n_select, mb = 4, 64, 512, 514                       # 514 blocks of 64 = the 32K bench table
-    ppb, max_pools = bs // kp, 514 * 16
+    max_pools = 514 * 16
     for n in (1, 8, 64, 256):
         for ctx in (1024, 8192, 32768):
             pos = torch.full((n,), ctx, device="cuda", dtype=torch.int64)
@@ -125,14 +129,55 @@ def small(out: str) -> None:
         json.dump({**_run_info(), "rows": rows}, f, indent=1)
 
 
+#: Router configurations timed by ``--router`` (keys of ``router.default_config``): the fused epilogue (the GEMM's
+#: last program per token block, EPI_T rows at a time) against the separate select launch (EPI_T rows per
+#: program on epi_warps warps), then GEMM tilings under the separate launch.
+ROUTER_CONFIGS = [{"fused": True, "EPI_T": et} for et in (4, 8)] + [
+    {"fused": False, "EPI_T": et, "epi_warps": w} for et, w in ((1, 1), (1, 2), (2, 2), (4, 4))] + [
+    {"fused": False, "EPI_T": 1, "epi_warps": 1, "BLOCK_T": bt, "BLOCK_E": be, "SPLITS": sp, "num_warps": nw}
+    for bt, be, sp, nw in ((16, 32, 8, 4), (16, 32, 4, 4), (32, 32, 4, 4), (32, 64, 2, 4), (64, 64, 1, 4),
+                           (64, 64, 2, 4), (64, 32, 1, 4), (128, 64, 1, 8))]
+
+
+def router(out: str) -> None:
+    """The MoE router at the real shape (288 experts x 4096, top 8), each epilogue variant replayed from a CUDA
+    graph at decode, verification and prefill token counts: the data behind ``router.default_config``."""
+    from glm5_kernels.router import RouterWorkspace, router_topk
+
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(288, 4096, device="cuda", generator=g) * 4096 ** -0.5).to(torch.bfloat16)
+    bias = torch.randn(288, device="cuda", generator=g) * 0.01
+    for t in (1, 4, 8, 16, 32, 64, 128, 256, 1024, 4096):
+        x = torch.randn(t, 4096, device="cuda", generator=g).to(torch.bfloat16)
+        ws = RouterWorkspace()
+        ref = router_topk(x, w, bias, 8, 1, 1, True, 2.5, ws)[1]
+        row = {"kernel": "router_topk", "T": t}
+        for cfg in ROUTER_CONFIGS:
+            key = "_".join(f"{k}{int(v)}" for k, v in cfg.items()) + "_us"
+            try:
+                same = torch.equal(router_topk(x, w, bias, 8, 1, 1, True, 2.5, ws, config=cfg)[1], ref)
+                row[key] = graph_us(lambda: router_topk(x, w, bias, 8, 1, 1, True, 2.5, ws, config=cfg))
+                if not same:
+                    row[key] = f"experts differ from the default's ({row[key]:.1f} us)"
+            except Exception as e:  # out of registers / shared memory for that tile
+                row[key] = f"{type(e).__name__}: {str(e)[:120]}"
+        row["default_us"] = graph_us(lambda: router_topk(x, w, bias, 8, 1, 1, True, 2.5, ws))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    with open(out, "w") as f:
+        json.dump({**_run_info(), "rows": rows}, f, indent=1)
+
+
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="JSON file to write (one row per kernel and shape)")
     ap.add_argument("--small", action="store_true", help="the latency-bound decode kernels instead of sparse MLA")
+    ap.add_argument("--router", action="store_true", help="the router's launch configurations instead of sparse MLA")
     return ap.parse_args(argv)
 
 
 if __name__ == "__main__":
     args = _args()
-    small(args.out) if args.small else main(args.out)
+    (small if args.small else router if args.router else main)(args.out)

@@ -83,17 +83,23 @@ def test_sparse_mla_prefill_kernel_compiles(dtype):
              floats=("qk_scale",), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-@pytest.mark.parametrize("t,n_group", [(1, 1), (4096, 1), (8, 8)])
-def test_router_kernel_compiles(t, n_group):
-    """Decode (split-K) and prefill launch shapes at 288 experts × 4096, top-8; DeepSeek-style groups."""
-    from glm5_kernels.router import _launch_shape, _router_kernel
-    shape = _launch_shape(t, 4096)
-    warps = shape.pop("num_warps")
-    _compile(_router_kernel, dict(x_ptr="bf16", w_ptr="bf16", bias_ptr="fp32", part_ptr="fp32", sem_ptr="i32",
-                                  wout_ptr="fp32", iout_ptr="i64"),
-             dict(E=288 if n_group == 1 else 256, E_PAD=512 if n_group == 1 else 256, TOP_K=8, K_PAD=8,
-                  N_GROUP=n_group, G_PAD=n_group, TOPK_GROUP=min(4, n_group), RENORM=True, IEEE=False, UPCAST=False,
-                  PRECISE=True, **shape), floats=("scaling",), num_warps=warps)
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("t,n_group", [(1, 1), (256, 1), (4096, 1), (8, 8)])
+def test_router_kernels_compile(t, n_group, fused):
+    """Decode (split-K) and prefill launch shapes at 288 experts × 4096, top-8, DeepSeek-style groups: the GEMM
+    with the fused epilogue or without it, and the separate selection launch."""
+    from glm5_kernels.router import _router_kernel, _router_select_kernel, default_config
+    cfg = {**default_config(t, 4096), **({"fused": True, "EPI_T": 4} if fused else {})}
+    warps, epi_warps = cfg.pop("num_warps"), cfg.pop("epi_warps")
+    use_fused = cfg.pop("fused")
+    select = dict(E=288 if n_group == 1 else 256, E_PAD=512 if n_group == 1 else 256, SPLITS=cfg.pop("SPLITS"),
+                  EPI_T=cfg.pop("EPI_T"), TOP_K=8, K_PAD=8, N_GROUP=n_group, G_PAD=n_group,
+                  TOPK_GROUP=min(4, n_group), RENORM=True, PRECISE=True)
+    ptrs = dict(bias_ptr="fp32", part_ptr="fp32", wout_ptr="fp32", iout_ptr="i64")
+    _compile(_router_kernel, dict(x_ptr="bf16", w_ptr="bf16", sem_ptr="i32", **ptrs),
+             dict(IEEE=False, UPCAST=False, FUSED=use_fused, **select, **cfg), floats=("scaling",), num_warps=warps)
+    if not use_fused:
+        _compile(_router_select_kernel, ptrs, select, floats=("scaling",), num_warps=epi_warps)
 
 
 @pytest.mark.parametrize("width", [4096, 1536, 512])

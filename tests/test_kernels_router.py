@@ -34,7 +34,10 @@ def test_router_kernel_matches_reference_exactly_interpreter():
         # prefill token blocks, groups, bf16
         cases = [(5, 24, 1024, 4, 1, 1, torch.float32), (70, 32, 96, 6, 4, 2, torch.float32),
                  (3, 16, 128, 3, 4, 1, torch.bfloat16), (9, 12, 64, 12, 1, 1, torch.float32)]
-        for t, e, h, k, ng, tg, dt in cases:
+        # the fused epilogue (last GEMM program of a token block) and the separate select launch
+        epilogues = [{"fused": True, "EPI_T": 4}, {"fused": False, "EPI_T": 1, "epi_warps": 1},
+                     {"fused": False, "EPI_T": 2, "epi_warps": 2}]
+        for (t, e, h, k, ng, tg, dt), epi in [(c, ep) for c in cases for ep in epilogues]:
             x = (torch.randint(-4, 5, (t, h), generator=g).float() / 8).to(dt)
             w = (torch.randint(-3, 4, (e, h), generator=g).float() / 16).to(dt)
             bias = torch.randint(-8, 8, (e,), generator=g).float() / 64
@@ -42,10 +45,10 @@ def test_router_kernel_matches_reference_exactly_interpreter():
             x[0] = 0                                                 # token 0: every score 0.5 ...
             bias[: e // 2] = 0.25                                    # ... and half the experts tie on the bias
             logits = torch.empty(t, e)
-            got_w, got_i = router_topk(x, w, bias, k, ng, tg, True, 2.5, ws, logits_out=logits)
+            got_w, got_i = router_topk(x, w, bias, k, ng, tg, True, 2.5, ws, logits_out=logits, config=epi)
             want_w, want_i = route_ref(x, w, bias, k, ng, tg, True, 2.5)
             assert torch.equal(logits, x.float() @ w.float().t()), (t, e)
-            assert torch.equal(got_i, want_i), (t, e, got_i, want_i)
+            assert torch.equal(got_i, want_i), (t, e, epi, got_i, want_i)
             torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=0)
             assert got_i.dtype == torch.int64 and got_w.dtype == torch.float32
         assert all(int(b.abs().sum()) == 0 for b in ws._buffers), "semaphores are reset after every launch"
@@ -73,9 +76,15 @@ def test_route_ref_ties_go_to_lower_ids_and_match_topk_without_ties():
 
 
 # ---------------------------------------------------------------------------------------------- GPU
+EPILOGUES = {"default": None, "fused": {"fused": True, "EPI_T": 4},
+             "select_2rows": {"fused": False, "EPI_T": 2, "epi_warps": 2},
+             "split_gemm": {"BLOCK_T": 16, "BLOCK_E": 32, "SPLITS": 4}}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("epi", list(EPILOGUES))
 @pytest.mark.parametrize("t", [1, 3, 16, 64, 65, 256, 4096])
-def test_router_kernel_real_shape_gpu(t):
+def test_router_kernel_real_shape_gpu(t, epi):
     from glm5_kernels.router import RouterWorkspace, router_topk
     from glm5_kernels.router_ref import route_ref, select_experts_ref
     g = torch.Generator(device="cpu").manual_seed(t)
@@ -85,7 +94,8 @@ def test_router_kernel_real_shape_gpu(t):
     bias = (torch.randn(e, generator=g) * 0.01).cuda()
     ws = RouterWorkspace()
     logits = torch.empty(t, e, device="cuda")
-    got_w, got_i = router_topk(x, w, bias, 8, 1, 1, True, 2.5, ws, logits_out=logits)
+    ep = EPILOGUES[epi]
+    got_w, got_i = router_topk(x, w, bias, 8, 1, 1, True, 2.5, ws, logits_out=logits, config=ep)
     # the epilogue, exactly: the reference selection on the kernel's own logits
     ref_w, ref_i = select_experts_ref(logits, bias, 8, 1, 1, True, 2.5)
     assert torch.equal(got_i, ref_i)
@@ -100,13 +110,13 @@ def test_router_kernel_real_shape_gpu(t):
     same = (got_i.sort(1).values == fp_i.sort(1).values).all(1)
     print(f"T={t}: expert sets equal to the fp32 router's for {same.float().mean().item():.4%} of tokens")
     assert int((~same).sum()) <= max(1, t // 100)      # a flip needs a near tie (~1e-6 apart)
-    assert int(ws._buffers[-1].abs().sum()) == 0
+    assert all(int(b.abs().sum()) == 0 for b in ws._buffers)
     # CUDA-graph replays repeat the eager result (the kernel resets its semaphores)
-    out_w, out_i = router_topk(x, w, bias, 8, 1, 1, True, 2.5, ws)
+    out_w, out_i = router_topk(x, w, bias, 8, 1, 1, True, 2.5, ws, config=ep)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        cw, ci = router_topk(x, w, bias, 8, 1, 1, True, 2.5, ws)
+        cw, ci = router_topk(x, w, bias, 8, 1, 1, True, 2.5, ws, config=ep)
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()

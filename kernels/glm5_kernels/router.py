@@ -1,5 +1,5 @@
-"""The MoE router in one launch: GEMM (bf16 products, fp32 accumulation), sigmoid, selection bias, grouped
-top-k and renormalisation. Torch reference: :func:`glm5_kernels.router_ref.route_ref`.
+"""The MoE router in two launches: GEMM (bf16 products, fp32 accumulation), then sigmoid, selection bias,
+grouped top-k and renormalisation. Torch reference: :func:`glm5_kernels.router_ref.route_ref`.
 
 Why bf16 with fp32 accumulation is enough: the router's input is the bf16 block input and its weight is a bf16
 checkpoint tensor, so ``x.float() @ W.float()ᵀ`` and a tensor-core ``x @ Wᵀ`` multiply the same values exactly;
@@ -7,14 +7,17 @@ they differ only in the order of the fp32 additions (~1e-7 relative), which move
 top-k only at a near tie (measured in ``bench/kernel_check.py``). The fp32 GEMM read the weight in fp32 (twice
 the bytes) and, at prefill, ran on the CUDA cores (2.3 ms of an 8K prefill in the bench profile).
 
-One launch, grid ``(expert blocks, K splits, token blocks)``: each program writes its fp32 partial logits
-``[BLOCK_T, BLOCK_E]`` to a scratch buffer, then increments its token block's semaphore; the program that
-arrives last (atomic acquire/release after a CTA barrier) adds the partials in split order — a deterministic
-sum — and runs the epilogue for the token block: ``sigmoid`` (libdevice ``exp`` and a correctly rounded
-division: torch's CUDA sigmoid bit for bit), ``+ bias``, the group filter, ``TOP_K`` rounds of (max, lowest
-id among equal values), renormalisation, scale. It resets the semaphore, so the same buffer serves the next
-launch and every CUDA-graph replay. At decode (T ≤ 64) the K splits put ~70 programs on the 2.4 MB weight
-read; at prefill one split and 64-token blocks make it a plain tiled GEMM.
+The GEMM, grid ``(expert blocks, K splits, token blocks)``, writes each program's fp32 partial logits
+``[BLOCK_T, BLOCK_E]`` to a scratch buffer; at decode (T ≤ 256) K splits put ~70 programs per token block on
+the 2.4 MB weight read, at prefill 64-token blocks make it a tiled GEMM. The selection launch, one
+token per one-warp program, adds the partials in split order (a deterministic sum) and runs the epilogue:
+``sigmoid`` (libdevice ``exp`` and a correctly rounded division: torch's CUDA sigmoid bit for bit), ``+ bias``,
+the group filter, ``TOP_K`` rounds of (max, lowest id among equal values), renormalisation, scale.
+
+A fused mode (``config={"fused": True}``) saves the second launch: each program increments its token block's
+semaphore after storing its partial, and the program that arrives last (atomic acquire/release after a CTA
+barrier) runs the epilogue for the block's rows and resets the semaphore, so the same buffer serves the next
+launch and every CUDA-graph replay. It is slower at every size measured (:func:`default_config`).
 """
 
 from __future__ import annotations
@@ -99,7 +102,9 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, sem_ptr, wout_ptr, iout_ptr
                    BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, EPI_T: tl.constexpr,
                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, N_GROUP: tl.constexpr, G_PAD: tl.constexpr,
                    TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr,
-                   IEEE: tl.constexpr, UPCAST: tl.constexpr, PRECISE: tl.constexpr):
+                   IEEE: tl.constexpr, UPCAST: tl.constexpr, PRECISE: tl.constexpr, FUSED: tl.constexpr):
+    """Partial logits of one (expert block, K split, token block); with ``FUSED`` the last program of a token
+    block to arrive also runs that block's epilogue."""
     eb = tl.program_id(0)
     ks = tl.program_id(1)
     tb = tl.program_id(2)
@@ -126,14 +131,29 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, sem_ptr, wout_ptr, iout_ptr
             acc = tl.dot(a, tl.trans(b), acc)
     tl.store(part_ptr + ks * stride_ps + rows[:, None] * stride_pt + cols[None, :], acc,
              mask=rmask[:, None] & cmask[None, :])
-    tl.debug_barrier()                  # every thread's partial is stored before the release below
-    arrived = tl.atomic_add(sem_ptr + tb, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) * SPLITS - 1:
-        tl.atomic_xchg(sem_ptr + tb, 0, sem="relaxed", scope="gpu")     # ready for the next launch
-        for r0 in range(tb * BLOCK_T, tl.minimum(tb * BLOCK_T + BLOCK_T, T), EPI_T):
-            _select_rows(part_ptr, bias_ptr, wout_ptr, iout_ptr, r0, T, scaling, stride_ps, stride_pt, stride_wo,
-                         stride_io, E, E_PAD, SPLITS, EPI_T, TOP_K, K_PAD, N_GROUP, G_PAD, TOPK_GROUP, RENORM,
-                         PRECISE)
+    if FUSED:
+        tl.debug_barrier()                  # every thread's partial is stored before the release below
+        arrived = tl.atomic_add(sem_ptr + tb, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(0) * SPLITS - 1:
+            tl.atomic_xchg(sem_ptr + tb, 0, sem="relaxed", scope="gpu")     # ready for the next launch
+            for r0 in range(tb * BLOCK_T, tl.minimum(tb * BLOCK_T + BLOCK_T, T), EPI_T):
+                _select_rows(part_ptr, bias_ptr, wout_ptr, iout_ptr, r0, T, scaling, stride_ps, stride_pt,
+                             stride_wo, stride_io, E, E_PAD, SPLITS, EPI_T, TOP_K, K_PAD, N_GROUP, G_PAD, TOPK_GROUP,
+                             RENORM, PRECISE)
+
+
+@triton.jit
+def _router_select_kernel(part_ptr, bias_ptr, wout_ptr, iout_ptr, T, scaling, stride_ps, stride_pt, stride_wo,
+                          stride_io, E: tl.constexpr, E_PAD: tl.constexpr, SPLITS: tl.constexpr,
+                          EPI_T: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, N_GROUP: tl.constexpr,
+                          G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr,
+                          PRECISE: tl.constexpr):
+    """The epilogue as its own launch, ``EPI_T`` rows per program: every token's selection runs in parallel
+    (and with few warps its reductions stay inside one warp) instead of one program per token block walking
+    its rows in turn."""
+    _select_rows(part_ptr, bias_ptr, wout_ptr, iout_ptr, tl.program_id(0) * EPI_T, T, scaling, stride_ps,
+                 stride_pt, stride_wo, stride_io, E, E_PAD, SPLITS, EPI_T, TOP_K, K_PAD, N_GROUP, G_PAD,
+                 TOPK_GROUP, RENORM, PRECISE)
 
 
 class RouterWorkspace:
@@ -154,20 +174,36 @@ class RouterWorkspace:
         return cur
 
 
-def _launch_shape(t: int, hidden: int) -> dict:
-    if t <= 64:   # decode / verification rows: split K so the weight read is spread over ~70 programs
-        return dict(BLOCK_T=16, BLOCK_E=32, BLOCK_K=64, SPLITS=max(1, min(8, hidden // 512)), EPI_T=4, num_warps=4)
-    return dict(BLOCK_T=64, BLOCK_E=64, BLOCK_K=64, SPLITS=1, EPI_T=4, num_warps=4)
+def default_config(t: int, hidden: int) -> dict:
+    """Launch configuration for ``t`` tokens. GEMM: ``BLOCK_T x BLOCK_E`` tiles, ``SPLITS`` K splits, ``num_warps``.
+    Selection: ``fused`` (the last GEMM program of each token block walks the block's rows, ``EPI_T`` at a time,
+    with the GEMM's warps) or a second launch of ``EPI_T`` rows per program on ``epi_warps`` warps.
+
+    Measured on the H200 (``bench/kernel_bench.py --router``, CUDA-graph replay, 288 experts x 4096): the
+    separate launch with one row per one-warp program wins at every size (13.9 vs 16.2 µs at T = 1, 14.5 vs
+    36.7 at T = 64, 34.9 vs 136 at T = 256, 53 vs 173 at T = 4096): the fused epilogue runs a token block's
+    rows one after another in a single program, and with four warps each of its ~25 row reductions per
+    expert choice crosses warps through shared memory. GEMM tiles (same run, separate selection): the K-split
+    16 x 32 tiles up to T = 256 (18.6 µs there against 35.0 with 64 x 64 tiles and no split, which leave 20
+    programs on 132 SMs), 64 x 64 with a split of 2 to T = 2048 (26.0 against 37.3 µs at T = 1024), no split
+    beyond (52.8 µs at T = 4096)."""
+    if t <= 256:   # decode / verification rows: split K so the weight read is spread over ~70 programs per block
+        gemm = dict(BLOCK_T=16, BLOCK_E=32, BLOCK_K=64, SPLITS=max(1, min(8, hidden // 512)), num_warps=4)
+    else:          # prefill: 64 x 64 tiles, a K split of 2 until the token blocks alone fill the GPU
+        gemm = dict(BLOCK_T=64, BLOCK_E=64, BLOCK_K=64, SPLITS=2 if t <= 2048 else 1, num_warps=4)
+    return {**gemm, "fused": False, "EPI_T": 1, "epi_warps": 1}
 
 
 def router_topk(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
                 topk_group: int, renormalize: bool, scaling: float, workspace: RouterWorkspace,
-                logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                logits_out: torch.Tensor | None = None,
+                config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing of ``x [T, H]`` with ``gate_w [E, H]`` (same dtype as x: bf16/fp16, or fp32 with IEEE products)
     and the fp32 selection ``bias [E]`` → (weights ``[T, top_k]`` fp32, expert ids ``[T, top_k]`` int64), the
     values :func:`~glm5_kernels.router_ref.select_experts_ref` computes from this kernel's logits (same ties:
     lower expert / group id first; experts in descending biased-score order). One launch, no host sync.
-    ``logits_out`` (tests): a ``[T, E]`` fp32 tensor that receives the logits (one more copy)."""
+    ``logits_out`` (tests): a ``[T, E]`` fp32 tensor that receives the logits (one more copy). ``config``
+    overrides keys of :func:`default_config` (benchmarks, tests)."""
     if x.dim() != 2 or gate_w.dim() != 2 or gate_w.shape[1] != x.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and gate_w {tuple(gate_w.shape)} must be [T, H] and [E, H]")
     if gate_w.dtype != x.dtype:
@@ -189,22 +225,28 @@ def router_topk(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k
     x = x if x.stride(-1) == 1 else x.contiguous()
     gate_w = gate_w if gate_w.stride(-1) == 1 else gate_w.contiguous()
     bias = bias.float().contiguous()
-    shape = _launch_shape(t, hidden)
+    shape = {**default_config(t, hidden), **(config or {})}
+    epi = {key: shape.pop(key) for key in ("fused", "EPI_T", "epi_warps")}
     splits = shape.pop("SPLITS")
     k_per_split = shape["BLOCK_K"] * triton.cdiv(triton.cdiv(hidden, splits), shape["BLOCK_K"])
     splits = triton.cdiv(hidden, k_per_split)
     t_blocks = triton.cdiv(t, shape["BLOCK_T"])
     part = torch.empty(splits, t, e, device=dev, dtype=torch.float32)
-    sem = workspace.semaphores(t_blocks, dev)
+    sem = workspace.semaphores(t_blocks, dev) if epi["fused"] else part   # unread without the fused epilogue
     num_warps = shape.pop("num_warps")
     grid = (triton.cdiv(e, shape["BLOCK_E"]), splits, t_blocks)
+    select = dict(E=e, E_PAD=triton.next_power_of_2(e), SPLITS=splits, EPI_T=epi["EPI_T"], TOP_K=top_k,
+                  K_PAD=triton.next_power_of_2(top_k), N_GROUP=n_group, G_PAD=triton.next_power_of_2(n_group),
+                  TOPK_GROUP=topk_group, RENORM=bool(renormalize), PRECISE=not interpreting())
     _router_kernel[grid](
         x, gate_w, bias, part, sem, weights, ids, t, hidden, k_per_split, float(scaling),
         x.stride(0), gate_w.stride(0), part.stride(0), part.stride(1), weights.stride(0), ids.stride(0),
-        E=e, E_PAD=triton.next_power_of_2(e), SPLITS=splits, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-        N_GROUP=n_group, G_PAD=triton.next_power_of_2(n_group), TOPK_GROUP=topk_group, RENORM=bool(renormalize),
-        IEEE=x.dtype == torch.float32, UPCAST=interpreting() and x.dtype != torch.float32,
-        PRECISE=not interpreting(), num_warps=num_warps, **shape)
+        IEEE=x.dtype == torch.float32, UPCAST=interpreting() and x.dtype != torch.float32, FUSED=epi["fused"],
+        num_warps=num_warps, **select, **shape)
+    if not epi["fused"]:
+        _router_select_kernel[(triton.cdiv(t, epi["EPI_T"]),)](
+            part, bias, weights, ids, t, float(scaling), part.stride(0), part.stride(1), weights.stride(0),
+            ids.stride(0), num_warps=epi["epi_warps"], **select)
     if logits_out is not None:   # the kernel's sum: the splits added in order
         acc = part[0].clone()
         for i in range(1, splits):

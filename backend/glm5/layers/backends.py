@@ -20,7 +20,7 @@ The choices (each set by ``GLM5_<NAME>_BACKEND`` or :func:`set_backends`):
 * ``spec_kda``: the KDA recurrences of batched speculative verification and its commit
   (:mod:`glm5_kernels.kda_verify`, Triton) or their torch references.
 * ``router``: the MoE router (GEMM, sigmoid, bias, grouped top-k, renormalisation): ``triton``
-  (:mod:`glm5_kernels.router`, one launch, bf16 GEMM with fp32 accumulation; bf16 models on CUDA) or
+  (:mod:`glm5_kernels.router`, a bf16 GEMM with fp32 accumulation and a selection launch; bf16 models on CUDA) or
   ``torch`` (fp32 GEMM, the reference).
 * ``fuse``: the fused elementwise/normalisation kernels of :mod:`glm5_kernels.norms` and
   :mod:`glm5_kernels.kda_decode` (RMSNorm, KDA gated output norm, KDA decode conv step, clamped SwiGLU) or

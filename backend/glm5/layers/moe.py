@@ -3,8 +3,8 @@
 Routing (model-spec §6, :mod:`glm5_kernels.router_ref`): scores = sigmoid(x·Wᵀ) in fp32; the correction
 bias is added only to pick experts; group scores are the sum of the top-2 biased scores per group and only
 ``topk_group`` groups stay eligible; the kept weights are the *unbiased* scores, renormalised, times
-``routed_scaling_factor``. The shared expert is added unscaled. On CUDA in bf16 the whole router is one
-Triton launch (:mod:`glm5_kernels.router`); the torch path keeps the fp32 GEMM.
+``routed_scaling_factor``. The shared expert is added unscaled. On CUDA in bf16 the whole router is two
+Triton launches (:mod:`glm5_kernels.router`: the GEMM, then the selection); the torch path keeps the fp32 GEMM.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class RoutingResult:
 def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, cfg: TextConfig,
           gate_w_model: torch.Tensor | None = None, workspace: "RouterWorkspace | None" = None) -> RoutingResult:
     """Route ``x [T, H]``: the fused Triton router (:mod:`glm5_kernels.router`, bf16 GEMM with fp32
-    accumulation, one launch) when :func:`router_backend` picks it and ``gate_w_model`` (the weight in x's
+    accumulation, then the selection) when :func:`router_backend` picks it and ``gate_w_model`` (the weight in x's
     dtype) and a ``workspace`` are given, else the fp32 torch reference (``gate_w`` fp32). Both break ties
     towards the lower expert id (:mod:`glm5_kernels.router_ref`)."""
     args = (cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
