@@ -84,10 +84,10 @@ def test_speculative_graph_replay_equals_eager(ckpt, prompts):
     assert runs[False][1] == runs[True][1]
 
 
-def _decode_tok_s(eng: LLMEngine, prompts: list[list[int]], n: int) -> float:
+def _decode_tok_s(eng: LLMEngine, prompts: list[list[int]], n: int, tag: str = "t") -> float:
     """Generated tokens per second of the decode phase (prefill steps excluded from the timed window)."""
     for i, p in enumerate(prompts):
-        eng.add_request(f"t{i}", p, _greedy(n))
+        eng.add_request(f"{tag}{i}", p, _greedy(n))
     while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
         eng.step()
     before = eng.generation_tokens_total
@@ -127,8 +127,8 @@ N_ADAPTIVE = 96   # tokens per request: past MAX_BACKLOG (64) steps at k = 0, so
 
 def test_adaptive_k_never_below_k0_tok_s(ckpt, prompts, tmp_path):
     """Per batch size: round times measured at each k go into a cost table; the adaptive engine reading it,
-    on the corpus prompts (the checkpoint's own acceptance), decodes at least as fast as k = 0 (5 % timing
-    noise allowed)."""
+    on the corpus prompts (the checkpoint's own acceptance), decodes at least as fast as an engine without MTP
+    (5 % timing noise allowed)."""
     corpus = prompts[:10]
     rows, result = [], {}
     for b in (1, 8, 32):
@@ -139,13 +139,20 @@ def test_adaptive_k_never_below_k0_tok_s(ckpt, prompts, tmp_path):
     table.write_text(json.dumps({"rounds": rows}))
     for b in (1, 8, 32):
         batch = [corpus[i % len(corpus)] for i in range(b)]
-        plain = _decode_tok_s(_engine(ckpt, "bfloat16", max_num_seqs=b), batch, N_ADAPTIVE)
+        base = _engine(ckpt, "bfloat16", max_num_seqs=b)
         eng = _engine(ckpt, "bfloat16", max_num_seqs=b, num_speculative_tokens=3, speculative_policy="adaptive",
                       speculative_cost_table=str(table))
-        adaptive = _decode_tok_s(eng, batch, N_ADAPTIVE)
+        # both engines decode the batch twice, alternately; the faster pass of each counts (the first pass of
+        # an engine in this process can carry one-time costs that the other engine does not pay)
+        runs = {"plain": [], "adaptive": []}
+        for rep in range(2):
+            runs["plain"].append(_decode_tok_s(base, batch, N_ADAPTIVE, f"p{rep}-"))
+            runs["adaptive"].append(_decode_tok_s(eng, batch, N_ADAPTIVE, f"a{rep}-"))
+        plain, adaptive = max(runs["plain"]), max(runs["adaptive"])
         pol = eng.k_policy
-        result[b].update(plain_tok_s=plain, adaptive_tok_s=adaptive, stats=eng.spec_stats.to_dict(),
-                         probes=pol.probes, probe_spent_s=pol.probe_spent_s, elapsed_s=pol.elapsed_s)
+        result[b].update(plain_tok_s=plain, adaptive_tok_s=adaptive, passes_tok_s=runs,
+                         stats=eng.spec_stats.to_dict(), probes=pol.probes, probe_spent_s=pol.probe_spent_s,
+                         elapsed_s=pol.elapsed_s)
         print(f"batch {b}: k=0 {plain:.0f} tok/s, adaptive {adaptive:.0f} tok/s, rounds {result[b]['round_s']}")
         assert adaptive >= 0.95 * plain, result[b]
     out = os.environ.get("GLM5_DIAG_OUT")

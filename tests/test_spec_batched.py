@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from glm5.config import ModelConfig
-from glm5.engine.spec_batched import BatchedSpeculation, MTPBacklog
+from glm5.engine.spec_batched import BatchedSpeculation, MTPBacklog, take_backlogs
 from glm5.layers.speculative import kda_state_bytes, per_row_state_bytes, verify_buffer_bytes
 from glm5.sampling_params import SamplingParams
 from oracle import ScriptedK, engine, greedy, hf_greedy, make_pair, random_prompt
@@ -288,7 +288,27 @@ def test_backlog_keeps_its_row_count_and_order():
     assert len(b) == 1 and b.first_position == 7
     for r in rows[1:]:
         b.append(r)
-    assert len(b) == 4 == sum(r.shape[0] for r in b.rows)
+    assert len(b) == 4 == sum(n for _, _, n in b.pieces)
     got = b.take(torch.full((2, 3), 9.0))
     assert got[:, 0].tolist() == [0.0, 1.0, 1.0, 2.0, 9.0, 9.0]
     assert len(MTPBacklog(0, [torch.zeros(5, 3), torch.zeros(2, 3)])) == 7
+
+
+def test_backlogs_hold_references_into_step_outputs_and_are_gathered_together():
+    """k = 0 steps add (step tensor, row, count) references; take_backlogs returns each request's rows in
+    order from one gather over the distinct step tensors, with the extra rows appended."""
+    steps = [torch.arange(3 * 4, dtype=torch.float32).view(3, 4) + 100 * s for s in range(3)]
+    a, b = MTPBacklog(10), MTPBacklog(20)
+    for h in steps:
+        a.append(h, 0, 1)
+        b.append(h, 2, 1)
+    b.append(steps[2], 1, 2)          # a verification step's emitted rows (two of them)
+    assert (len(a), len(b)) == (3, 5)
+    got_a, got_b = take_backlogs([a, b], [None, torch.full((1, 4), -1.0)])
+    assert torch.equal(got_a, torch.stack([h[0] for h in steps]))
+    assert torch.equal(got_b, torch.cat([torch.stack([h[2] for h in steps]), steps[2][1:3], torch.full((1, 4), -1.0)]))
+    assert torch.equal(a.take(), got_a)
+    extra = torch.ones(2, 4)
+    assert torch.equal(MTPBacklog(3).take(extra), extra)          # nothing held: the extra rows alone
+    with pytest.raises(ValueError, match="no rows"):
+        MTPBacklog(3).take()

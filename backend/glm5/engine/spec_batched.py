@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -46,25 +46,58 @@ DRAIN_ROWS = 16    # backlog rows per request of one drain pass (a captured grap
 class MTPBacklog:
     """Target hidden rows at positions ``first_position ..`` that the MTP layer has not processed yet.
 
-    The row count is kept as rows arrive: every k = 0 step asks each request for it, and summing a list of up
-    to ``MAX_BACKLOG`` pieces per request per step made the backlog quadratic in host time."""
+    The rows are kept as ``(source, first row, row count)`` pieces of step outputs: a k = 0 step adds one
+    reference per request (no view, no copy, no tensor call), and :func:`take_backlogs` gathers the rows of many
+    backlogs with one ``index_select``. The row count is kept as rows arrive: every k = 0 step asks each request
+    for it. Why so frugal: a k = 0 step of the speculative engine should cost what a plain decode step costs,
+    and a view or a sum per request per step is host time a plain step does not spend."""
 
-    first_position: int
-    rows: list[torch.Tensor]
-    count: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.count = sum(r.shape[0] for r in self.rows)
+    def __init__(self, first_position: int, rows: list[torch.Tensor] | tuple = ()):
+        self.first_position = first_position
+        self.pieces: list[tuple[torch.Tensor, int, int]] = []
+        self.count = 0
+        for r in rows:
+            self.append(r)
 
     def __len__(self) -> int:
         return self.count
 
-    def append(self, rows: torch.Tensor) -> None:
-        self.rows.append(rows)
-        self.count += rows.shape[0]
+    def append(self, src: torch.Tensor, start: int = 0, n: int | None = None) -> None:
+        """Rows ``start .. start + n`` of ``src`` (all of them by default); ``src`` must not be overwritten
+        while the backlog holds it (step outputs are fresh tensors; graph outputs need a copy)."""
+        n = src.shape[0] - start if n is None else n
+        self.pieces.append((src, start, n))
+        self.count += n
 
     def take(self, more: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.cat(self.rows + ([more] if more is not None else []))
+        return take_backlogs([self], [more])[0]
+
+
+def take_backlogs(backlogs: list[MTPBacklog], more: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+    """Each backlog's rows in arrival order (then its ``more`` rows, if any) as one tensor: the distinct source
+    tensors are concatenated once and every row is picked by one ``index_select``."""
+    offsets: dict[int, int] = {}
+    sources: list[torch.Tensor] = []
+    total = 0
+    for b in backlogs:
+        for src, _, _ in b.pieces:
+            if id(src) not in offsets:
+                offsets[id(src)] = total
+                sources.append(src)
+                total += src.shape[0]
+    idx: list[int] = []
+    for b in backlogs:
+        for src, start, n in b.pieces:
+            off = offsets[id(src)] + start
+            idx.extend(range(off, off + n))
+    more = more or [None] * len(backlogs)
+    if not sources:
+        if any(m is None for m in more):
+            raise ValueError("take_backlogs: the backlogs hold no rows and no extra rows were given")
+        return list(more)
+    flat = sources[0] if len(sources) == 1 else torch.cat(sources)
+    rows = flat.index_select(0, torch.tensor(idx, device=flat.device)).split([b.count for b in backlogs])
+    return [r if m is None else torch.cat([r, m]) for r, m in zip(rows, more)]
 
 
 @dataclass
@@ -243,30 +276,36 @@ class BatchedSpeculation:
         ``draft_probs``; when nobody drafts, the rows go to the backlogs instead. True when the MTP layer
         ran (a drafting step, or a full backlog drained)."""
         t = res.rows_per_seq
-        per_request = res.hidden.split(t)  # one view per request in one call, cut below only where drafts failed
-        rows = [(seq, res.first_positions[i], per_request[i] if res.accepted[i] + 1 == t else
-                 per_request[i][: res.accepted[i] + 1], want) for i, seq, want in live]
-        if not any(w for *_, w in rows):
-            # nobody drafts: the rows join the backlogs as they are (a list, no copy per step); a backlog that
-            # reached MAX_BACKLOG rows is caught up without drafting
-            drain = []
-            for seq, first, rows_h, _ in rows:
-                if seq.mtp_backlog is None:
-                    seq.mtp_backlog = MTPBacklog(first, [rows_h])
-                else:
-                    seq.mtp_backlog.append(rows_h)
-                if len(seq.mtp_backlog) >= MAX_BACKLOG:
-                    drain.append((seq, seq.mtp_backlog.first_position, seq.mtp_backlog.take(), 0))
+        if not any(want for *_, want in live):
+            # nobody drafts: each request's emitted rows join its backlog as a reference into this step's hidden
+            # rows (O(1) host work per request); a backlog that reached MAX_BACKLOG rows is caught up without
+            # drafting
+            full = []
+            for i, seq, _ in live:
+                b = seq.mtp_backlog
+                if b is None:
+                    b = seq.mtp_backlog = MTPBacklog(res.first_positions[i])
+                b.append(res.hidden, i * t, min(res.accepted[i] + 1, t))
+                if b.count >= MAX_BACKLOG:
+                    full.append(seq)
+            if full:
+                taken = take_backlogs([seq.mtp_backlog for seq in full])
+                drain = [(seq, seq.mtp_backlog.first_position, rows_h, 0) for seq, rows_h in zip(full, taken)]
+                for seq in full:
                     seq.mtp_backlog = None
-            if drain:
                 self._catch_up(drain, drafting=False)
-            return bool(drain)
+            return bool(full)
+        per_request = res.hidden.split(t)  # one view per request in one call, cut below only where drafts failed
         entries = []   # (seq, first position, hidden rows, drafts wanted)
-        for seq, first, rows_h, want in rows:
-            if seq.mtp_backlog is not None:
-                first, rows_h = seq.mtp_backlog.first_position, seq.mtp_backlog.take(rows_h)
+        for i, seq, want in live:
+            entries.append((seq, res.first_positions[i], per_request[i][: res.accepted[i] + 1], want))
+        held = [j for j, (seq, *_) in enumerate(entries) if seq.mtp_backlog is not None]
+        if held:
+            taken = take_backlogs([entries[j][0].mtp_backlog for j in held], [entries[j][2] for j in held])
+            for j, rows_h in zip(held, taken):
+                seq, _, _, want = entries[j]
+                entries[j] = (seq, seq.mtp_backlog.first_position, rows_h, want)
                 seq.mtp_backlog = None
-            entries.append((seq, first, rows_h, want))
         logits, hid, scores = self._catch_up(entries, drafting=True)
         self._draft(entries, logits, hid, scores, ensure_blocks)
         return True
@@ -375,4 +414,5 @@ def _logprob_dict(lp) -> dict | None:
     return {"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank, "top": [list(t) for t in lp.top]}
 
 
-__all__ = ["BatchedSpeculation", "DRAIN_ROWS", "MAX_BACKLOG", "MTPBacklog", "VerifyResult", "neutral_params"]
+__all__ = ["BatchedSpeculation", "DRAIN_ROWS", "MAX_BACKLOG", "MTPBacklog", "VerifyResult", "neutral_params",
+           "take_backlogs"]
