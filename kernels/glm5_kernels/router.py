@@ -201,7 +201,8 @@ def router_topk(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k
     """Routing of ``x [T, H]`` with ``gate_w [E, H]`` (same dtype as x: bf16/fp16, or fp32 with IEEE products)
     and the fp32 selection ``bias [E]`` → (weights ``[T, top_k]`` fp32, expert ids ``[T, top_k]`` int64), the
     values :func:`~glm5_kernels.router_ref.select_experts_ref` computes from this kernel's logits (same ties:
-    lower expert / group id first; experts in descending biased-score order). One launch, no host sync.
+    lower expert / group id first; experts in descending biased-score order). Two launches (one with the
+    fused epilogue), no host sync.
     ``logits_out`` (tests): a ``[T, E]`` fp32 tensor that receives the logits (one more copy). ``config``
     overrides keys of :func:`default_config` (benchmarks, tests)."""
     if x.dim() != 2 or gate_w.dim() != 2 or gate_w.shape[1] != x.shape[1]:

@@ -40,7 +40,8 @@ from glm5.engine.prompt_logprobs import score as score_prompt_logprobs
 from glm5.engine.prompt_processor import PreparedPrompt, PromptProcessor, PromptTooLongError
 from glm5.engine.scheduler import Scheduler, SchedulerOutput
 from glm5.engine.sequence import Sequence
-from glm5.engine.spec_batched import MAX_BACKLOG, BatchedSpeculation, MTPBacklog, VerifyResult, neutral_params
+from glm5.engine.spec_batched import MAX_BACKLOG, BatchedSpeculation, MTPBacklog, VerifyResult, neutral_params, \
+    release_backlogs
 from glm5.engine.spec_decode import SpecStats, greedy_verify, target_distributions
 from glm5.engine.spec_sampling import SALT_DRAFT, accept_sampled, race
 from glm5.engine.spec_policy import AdaptiveK, FixedK, SpecCostModel
@@ -592,9 +593,8 @@ class LLMEngine:
             start = batch.seqs[ci].start
             own = hidden[start:start + v]
             if seq.mtp_backlog is not None:  # rows batched steps held back (glm5.engine.spec_batched)
-                lo, own = seq.mtp_backlog.first_position, seq.mtp_backlog.take(own)
+                [(lo, own)] = release_backlogs([seq], [own])
                 v = own.shape[0]
-                seq.mtp_backlog = None
             entries.append((seq, lo, seq.tokens(lo + 1, lo + v + 1)))
             rows.append(own)
             want.append(ci in sampled and not seq.is_finished and self._num_drafts(seq) > 0)

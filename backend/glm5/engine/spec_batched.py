@@ -76,18 +76,16 @@ class MTPBacklog:
 def take_backlogs(backlogs: list[MTPBacklog], more: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
     """Each backlog's rows in arrival order (then its ``more`` rows, if any) as one tensor: the distinct source
     tensors are concatenated once and every row is picked by one ``index_select``."""
-    offsets: dict[int, int] = {}
+    offsets: dict[int, int] = {}   # id(source) -> its first row in the concatenation
     sources: list[torch.Tensor] = []
+    idx: list[int] = []
     total = 0
     for b in backlogs:
-        for src, _, _ in b.pieces:
+        for src, start, n in b.pieces:
             if id(src) not in offsets:
                 offsets[id(src)] = total
                 sources.append(src)
                 total += src.shape[0]
-    idx: list[int] = []
-    for b in backlogs:
-        for src, start, n in b.pieces:
             off = offsets[id(src)] + start
             idx.extend(range(off, off + n))
     more = more or [None] * len(backlogs)
@@ -98,6 +96,16 @@ def take_backlogs(backlogs: list[MTPBacklog], more: list[torch.Tensor | None] | 
     flat = sources[0] if len(sources) == 1 else torch.cat(sources)
     rows = flat.index_select(0, torch.tensor(idx, device=flat.device)).split([b.count for b in backlogs])
     return [r if m is None else torch.cat([r, m]) for r, m in zip(rows, more)]
+
+
+def release_backlogs(seqs: list[Sequence], more: list[torch.Tensor | None] | None = None
+                     ) -> list[tuple[int, torch.Tensor]]:
+    """``(first position, rows)`` of each request's backlog (then its ``more`` rows), the backlogs cleared."""
+    taken = take_backlogs([seq.mtp_backlog for seq in seqs], more)
+    out = [(seq.mtp_backlog.first_position, rows) for seq, rows in zip(seqs, taken)]
+    for seq in seqs:
+        seq.mtp_backlog = None
+    return out
 
 
 @dataclass
@@ -289,11 +297,8 @@ class BatchedSpeculation:
                 if b.count >= MAX_BACKLOG:
                     full.append(seq)
             if full:
-                taken = take_backlogs([seq.mtp_backlog for seq in full])
-                drain = [(seq, seq.mtp_backlog.first_position, rows_h, 0) for seq, rows_h in zip(full, taken)]
-                for seq in full:
-                    seq.mtp_backlog = None
-                self._catch_up(drain, drafting=False)
+                self._catch_up([(seq, first, rows_h, 0) for seq, (first, rows_h) in zip(full, release_backlogs(full))],
+                               drafting=False)
             return bool(full)
         per_request = res.hidden.split(t)  # one view per request in one call, cut below only where drafts failed
         entries = []   # (seq, first position, hidden rows, drafts wanted)
@@ -301,11 +306,10 @@ class BatchedSpeculation:
             entries.append((seq, res.first_positions[i], per_request[i][: res.accepted[i] + 1], want))
         held = [j for j, (seq, *_) in enumerate(entries) if seq.mtp_backlog is not None]
         if held:
-            taken = take_backlogs([entries[j][0].mtp_backlog for j in held], [entries[j][2] for j in held])
-            for j, rows_h in zip(held, taken):
+            released = release_backlogs([entries[j][0] for j in held], [entries[j][2] for j in held])
+            for j, (first, rows_h) in zip(held, released):
                 seq, _, _, want = entries[j]
-                entries[j] = (seq, seq.mtp_backlog.first_position, rows_h, want)
-                seq.mtp_backlog = None
+                entries[j] = (seq, first, rows_h, want)
         logits, hid, scores = self._catch_up(entries, drafting=True)
         self._draft(entries, logits, hid, scores, ensure_blocks)
         return True
@@ -415,4 +419,4 @@ def _logprob_dict(lp) -> dict | None:
 
 
 __all__ = ["BatchedSpeculation", "DRAIN_ROWS", "MAX_BACKLOG", "MTPBacklog", "VerifyResult", "neutral_params",
-           "take_backlogs"]
+           "release_backlogs", "take_backlogs"]
