@@ -120,11 +120,12 @@ ENGINE_PARTS = (("schedule", "scheduler.schedule"), ("stage", "runner.stager.sta
                 ("sample", "sampler.sample"), ("record_tokens", "_append_tokens"), ("finish_step", "_finish_step"))
 
 
-def decoding_engine(batch: int, mode: str, ckpt: Path, speculative: int = 0):
+def decoding_engine(batch: int, mode: str, ckpt: Path, speculative: int = 0, keep_mtp: bool = True):
     """A CPU engine on ``ckpt`` whose ``batch`` requests have all finished their prompts, with the model's
     forward replaced by a stub whose logits make row r emit the README's tokens (from offset 97 r).
     ``speculative`` > 0: MTP speculation with that many drafts at most, its policy fixed at k = 0 and the MTP
-    layer's forward stubbed too."""
+    layer's forward stubbed too; ``keep_mtp``: the policy says speculation could pay (full backlogs are
+    drained), else that it cannot (they are dropped, glm5.engine.spec_batched)."""
     from glm5.engine.args import EngineArgs
     from glm5.engine.llm_engine import LLMEngine
     from glm5.engine.spec_policy import FixedK
@@ -136,6 +137,7 @@ def decoding_engine(batch: int, mode: str, ckpt: Path, speculative: int = 0):
         if eng.spec is None:
             raise RuntimeError("the engine runs no batched speculation; --decode-path batched and an MTP layer needed")
         eng.k_policy = FixedK(0)
+        eng.k_policy.can_pay = lambda b: keep_mtp
         hidden_size = eng.model_config.text.hidden_size
 
         def mtp_forward(fwd_batch, hidden, cache):
@@ -216,12 +218,16 @@ def _time_steps(engines: dict[str, tuple[object, tuple]], steps: int, warmup: in
 
 
 def time_spec_k0(batch: int, steps: int, ckpt: Path) -> dict:
-    """The engine step (forwards stubbed, greedy) without MTP and with MTP speculation held at k = 0, the two
+    """The engine step (forwards stubbed, greedy) without MTP and with MTP speculation held at k = 0, the
     engines stepped alternately over the same ``steps`` (a multiple of the backlog cap keeps the drains in
-    proportion): mean and median ms, the slow steps (the drains), and ms per step of each part."""
+    proportion): mean and median ms, the slow steps (the drains), and ms per step of each part. Two
+    speculative engines: ``spec_k0`` keeps the MTP layer's history (its policy says speculation could pay at
+    this batch size, so full backlogs are drained), ``spec_k0_drop`` is told it cannot (full backlogs are
+    dropped and the MTP layer stops following the requests)."""
     from glm5.engine.spec_batched import MAX_BACKLOG
     engines = {"plain": (decoding_engine(batch, "greedy", ckpt), ENGINE_PARTS),
-               "spec_k0": (decoding_engine(batch, "greedy", ckpt, 3), ENGINE_PARTS + SPEC_PARTS)}
+               "spec_k0": (decoding_engine(batch, "greedy", ckpt, 3), ENGINE_PARTS + SPEC_PARTS),
+               "spec_k0_drop": (decoding_engine(batch, "greedy", ckpt, 3, keep_mtp=False), ENGINE_PARTS + SPEC_PARTS)}
     out: dict = {"batch": batch, "steps": steps, "max_backlog": MAX_BACKLOG, "interleaved": True}
     for name, (ts, spent) in _time_steps(engines, steps).items():
         assert len(engines[name][0].scheduler.running) == batch, "a request left the batch during the timing"
@@ -230,6 +236,7 @@ def time_spec_k0(batch: int, steps: int, ckpt: Path) -> dict:
                      "slow_steps": sum(t > 3 * med for t in ts), "max_ms": max(ts) * 1e3,
                      "parts_ms": {k: v / steps * 1e3 for k, v in spent.items()}}
     out["mean_ratio"] = out["spec_k0"]["mean_ms"] / out["plain"]["mean_ms"]
+    out["drop_mean_ratio"] = out["spec_k0_drop"]["mean_ms"] / out["plain"]["mean_ms"]
     return out
 
 

@@ -66,11 +66,16 @@ def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
 
 class ScriptedK:
     """A speculation policy that drafts ``schedule[i % len(schedule)]`` at its i-th choice (steps with 0 leave an
-    MTP backlog); records the steps the engine timed as ``(batch, plain)``."""
+    MTP backlog); records the steps the engine timed as ``(batch, plain)``. ``pays=False``: it says speculation
+    cannot pay, so full backlogs are dropped."""
 
-    def __init__(self, schedule: list[int]):
-        self.schedule, self.i = schedule, 0
+    def __init__(self, schedule: list[int], pays: bool = True):
+        self.schedule, self.i, self.pays = schedule, 0, pays
         self.timed: list[tuple[int, bool]] = []
+
+    def can_pay(self, batch: int) -> bool:
+        """``pays``: whether the engine keeps the MTP layer's history (drains full backlogs) or drops it."""
+        return self.pays
 
     def choose(self, batch: int, may_probe: bool = True) -> int:
         self.i += 1

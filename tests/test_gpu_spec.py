@@ -122,7 +122,8 @@ def _round_times(ckpt: Path, batch: int, prompts: list[list[int]]) -> dict[int, 
     return out
 
 
-N_ADAPTIVE = 96   # tokens per request: past MAX_BACKLOG (64) steps at k = 0, so a backlog drain is inside
+N_ADAPTIVE = 96   # tokens per request: past MAX_BACKLOG (64) steps at k = 0, so a backlog drain (or drop) is inside
+ADAPTIVE_PASSES = 4
 
 
 def test_adaptive_k_never_below_k0_tok_s(ckpt, prompts, tmp_path):
@@ -142,10 +143,11 @@ def test_adaptive_k_never_below_k0_tok_s(ckpt, prompts, tmp_path):
         base = _engine(ckpt, "bfloat16", max_num_seqs=b)
         eng = _engine(ckpt, "bfloat16", max_num_seqs=b, num_speculative_tokens=3, speculative_policy="adaptive",
                       speculative_cost_table=str(table))
-        # both engines decode the batch twice, alternately; the faster pass of each counts (the first pass of
-        # an engine in this process can carry one-time costs that the other engine does not pay)
+        # both engines decode the batch in ADAPTIVE_PASSES alternating passes; the fastest pass of each counts
+        # (a pass of ~0.1-0.3 s on this host-bound model varies by up to 30 % with host jitter, and the first
+        # pass of an engine in this process can carry one-time costs the other engine does not pay)
         runs = {"plain": [], "adaptive": []}
-        for rep in range(2):
+        for rep in range(ADAPTIVE_PASSES):
             runs["plain"].append(_decode_tok_s(base, batch, N_ADAPTIVE, f"p{rep}-"))
             runs["adaptive"].append(_decode_tok_s(eng, batch, N_ADAPTIVE, f"a{rep}-"))
         plain, adaptive = max(runs["plain"]), max(runs["adaptive"])
@@ -153,7 +155,9 @@ def test_adaptive_k_never_below_k0_tok_s(ckpt, prompts, tmp_path):
         result[b].update(plain_tok_s=plain, adaptive_tok_s=adaptive, passes_tok_s=runs,
                          stats=eng.spec_stats.to_dict(), probes=pol.probes, probe_spent_s=pol.probe_spent_s,
                          elapsed_s=pol.elapsed_s)
-        print(f"batch {b}: k=0 {plain:.0f} tok/s, adaptive {adaptive:.0f} tok/s, rounds {result[b]['round_s']}")
+        print(f"batch {b}: k=0 {plain:.0f} tok/s, adaptive {adaptive:.0f} tok/s, passes {runs}, "
+              f"rounds {result[b]['round_s']}, MTP dropped for {result[b]['stats']['mtp_dropped']} requests, "
+              f"{pol.probes} probes")
         assert adaptive >= 0.95 * plain, result[b]
     out = os.environ.get("GLM5_DIAG_OUT")
     if out:

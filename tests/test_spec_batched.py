@@ -35,8 +35,8 @@ def _force_drafts(monkeypatch, ref: dict[str, list[int]], pattern):
     orig = BatchedSpeculation.propose
     calls = {"n": 0}
 
-    def propose(self, live, res, ensure_blocks):
-        orig(self, live, res, ensure_blocks)
+    def propose(self, live, res, ensure_blocks, **kw):
+        orig(self, live, res, ensure_blocks, **kw)
         calls["n"] += 1
         for _, seq, want in live:
             cont = ref[seq.request_id][len(seq.output_token_ids):]
@@ -242,7 +242,7 @@ def test_graph_shaped_replay_equals_eager_on_cpu(pair, monkeypatch):
 
 
 def test_backlog_drains_replay_their_graphs_and_draft_as_eager_on_cpu(pair, monkeypatch):
-    """k = 0 at 36 of every 37 choices, k = 3 at the 37th, twice: the held-back rows go through 16-row drain
+    """k = 0 at 40 of every 41 choices, k = 3 at the 41st, twice: the held-back rows go through DRAIN_ROWS-row drain
     passes before the drafting catch-up; graph-simulated and eager engines give the same tokens, drafts and
     acceptance, the drain graphs are replayed, and the tokens are k = 0's."""
     from glm5.engine.spec_batched import DRAIN_ROWS, MAX_BACKLOG
@@ -250,16 +250,16 @@ def test_backlog_drains_replay_their_graphs_and_draft_as_eager_on_cpu(pair, monk
     _simulate_graphs(monkeypatch)
     ckpt, _ = pair
     prompts = [random_prompt(n, VOCAB, seed=700 + n) for n in (3, 20, 31)]
-    n_new = 80
+    n_new = 90
     ref = [o.token_ids for o in engine(ckpt, decode_path="batched").generate(prompts, greedy(n_new))]
     replays: list[tuple] = []
     orig = _ReplayByRerun.replay
     monkeypatch.setattr(_ReplayByRerun, "replay", lambda self: (replays.append(self.key), orig(self)))
-    assert 2 * DRAIN_ROWS < 36 < MAX_BACKLOG
+    assert DRAIN_ROWS < 40 - 3 < MAX_BACKLOG   # 41 rows at the catch-up, 4 kept for it: two drain passes
     runs = {}
     for graphs in (False, True):
         eng = engine(ckpt, decode_path="batched", num_speculative_tokens=3, max_num_seqs=4)
-        eng.k_policy = ScriptedK([0] * 36 + [3])
+        eng.k_policy = ScriptedK([0] * 40 + [3])
         if graphs:
             eng.spec.capture_cuda_graphs(4)
         drafts: list[list[int]] = []
@@ -278,6 +278,44 @@ def test_backlog_drains_replay_their_graphs_and_draft_as_eager_on_cpu(pair, monk
     assert runs[True][2]["steps"] > 0 and len(runs[True][1]) >= 2
     assert len(runs[True][3]) >= 4 and all(k[2] == DRAIN_ROWS for k in runs[True][3])   # two rounds x 2 passes
     assert not runs[False][3]
+
+
+@pytest.mark.parametrize("decode_path", ["batched", "per_request"])
+def test_full_backlog_is_dropped_where_speculation_cannot_pay(pair, monkeypatch, decode_path):
+    """A policy that says no k > 0 can pay: when a request's backlog reaches MAX_BACKLOG rows the MTP layer
+    does not catch up on it (no drain, no MTP pass after the prompts) but stops following the request, which
+    then drafts nothing even when the policy asks for k = 3; the tokens are k = 0's."""
+    from glm5.engine.spec_batched import MAX_BACKLOG
+    from glm5.engine.spec_forwards import SpecForwards
+    from glm5.layers.mtp import MTPLayer
+
+    ckpt, _ = pair
+    prompts = [random_prompt(n, VOCAB, seed=900 + n) for n in (4, 19)]
+    n_new = MAX_BACKLOG + 16
+    ref = [o.token_ids for o in engine(ckpt, decode_path=decode_path).generate(prompts, greedy(n_new))]
+    eng = engine(ckpt, decode_path=decode_path, num_speculative_tokens=3, max_num_seqs=4)
+    eng.k_policy = ScriptedK([0] * (MAX_BACKLOG + 4) + [3], pays=False)
+    mtp_rows, drains = [], []
+    orig_fwd, orig_drain = MTPLayer.forward, SpecForwards.mtp_drain
+    monkeypatch.setattr(MTPLayer, "forward", lambda self, b, h, c: (mtp_rows.append(h.shape[0]), orig_fwd(self, b, h, c))[1])
+    monkeypatch.setattr(SpecForwards, "mtp_drain", lambda self, *a: (drains.append(1), orig_drain(self, *a))[1])
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, greedy(n_new))
+    outs: dict[str, list[int]] = {}
+    off_at = None
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.token_ids)
+        running = eng.scheduler.running
+        if off_at is None and running and all(s.mtp_off for s in running):
+            off_at = len(mtp_rows)
+        assert not any(s.draft_tokens for s in running if s.mtp_off)
+    assert [outs[f"r{i}"] for i in range(len(prompts))] == ref
+    st = eng.spec_stats.to_dict()
+    assert st["mtp_dropped"] == len(prompts) and st["steps"] == 0   # nobody drafted, even at the k = 3 choice
+    assert not drains and off_at is not None and len(mtp_rows) == off_at   # no MTP pass after the drop
+    assert all(n > 1 for n in mtp_rows)    # the only MTP passes were the prompts' (and the per-request path's
+    #                                        clones keep no backlog rows past the drop)
 
 
 def test_backlog_keeps_its_row_count_and_order():

@@ -40,8 +40,8 @@ from glm5.engine.prompt_logprobs import score as score_prompt_logprobs
 from glm5.engine.prompt_processor import PreparedPrompt, PromptProcessor, PromptTooLongError
 from glm5.engine.scheduler import Scheduler, SchedulerOutput
 from glm5.engine.sequence import Sequence
-from glm5.engine.spec_batched import MAX_BACKLOG, BatchedSpeculation, MTPBacklog, VerifyResult, neutral_params, \
-    release_backlogs
+from glm5.engine.spec_batched import MAX_BACKLOG, BatchedSpeculation, MTPBacklog, VerifyResult, drop_backlogs, \
+    neutral_params, release_backlogs
 from glm5.engine.spec_decode import SpecStats, greedy_verify, target_distributions
 from glm5.engine.spec_sampling import SALT_DRAFT, accept_sampled, race
 from glm5.engine.spec_policy import AdaptiveK, FixedK, SpecCostModel
@@ -149,6 +149,8 @@ class LLMEngine:
             if self.spec is not None and self.runner.graphs is not None:
                 self.spec.capture_cuda_graphs(graph_max, pool=self.runner.graphs.pool)
         self.spec_stats = SpecStats(k) if k else None
+        if self.spec is not None:
+            self.spec.stats = self.spec_stats
         self.k_policy = self._k_policy(args)
         self._k_next = k
         self._mtp_ran = False   # the last step ran the MTP layer (so it was no plain step)
@@ -345,7 +347,7 @@ class LLMEngine:
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
         for seq in sched.preempted:  # recomputed from the prompt: the MTP layer's cache goes with the blocks
-            seq.mtp_backlog = None
+            seq.mtp_backlog, seq.mtp_off = None, False
         if sched.chunks:
             t0 = time.perf_counter()
             drafts = sum(c.num_drafts for c in sched.chunks)
@@ -507,6 +509,14 @@ class LLMEngine:
             return 0
         return self.k_policy.choose(batch, may_probe=may_probe)
 
+    def _mtp_pays(self, batch: int) -> bool:
+        """Whether the MTP layer's history is worth its catch-up at ``batch`` requests: some ``k > 0`` could
+        beat ``k = 0`` there at full acceptance (and the batch is within the batched speculation's cap). Where
+        not, a full backlog is dropped instead of drained (glm5.engine.spec_batched)."""
+        if self.spec is not None and batch > self.spec.max_requests:
+            return False
+        return self.k_policy.can_pay(batch)
+
     def _speculative_step(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
         """A pure-decode step on the batched path: verify, accept and commit on the device, then draft."""
         res: VerifyResult = self.spec.verify(sched)
@@ -530,7 +540,8 @@ class LLMEngine:
         self.k_policy.observe_step(observed)
         self._k_next = self._choose_k(len(live))
         self._finish_step(sched, finished, trimmed, lambda: live and self.spec.propose(
-            [(i, s, self._num_drafts(s)) for i, s in live], res, self.scheduler.ensure_blocks))
+            [(i, s, self._num_drafts(s)) for i, s in live], res, self.scheduler.ensure_blocks,
+            keep_mtp=self._mtp_pays(len(live))))
 
     def _verify(self, chunk, batch, logits: torch.Tensor) -> list[int]:
         """Accept drafts of a verification chunk (per-request path) and commit its states to the accepted rows."""
@@ -556,8 +567,8 @@ class LLMEngine:
         return tokens
 
     def _num_drafts(self, seq: Sequence) -> int:
-        if not self._k_next:  # the policy chose no speculation (the common step where it does not pay)
-            return 0
+        if not self._k_next or seq.mtp_off:  # no speculation this step (the common step where it does not
+            return 0                           # pay), or the MTP layer no longer follows the request
         p = seq.params
         if p.logprobs is not None or p.bad_words:  # logprobs / bad words are applied on the sampling path
             return 0                                  # only, not to verified drafts: no speculation
@@ -586,7 +597,7 @@ class LLMEngine:
         for ci, c in enumerate(sched.chunks):
             seq, v = c.seq, valid_rows[ci]
             # a finished request's rows are caught up only for its end-of-request snapshot (prefix caching)
-            if seq.state_slot is None or (seq.is_finished and not self.kv.enabled):
+            if seq.state_slot is None or (seq.is_finished and not self.kv.enabled) or seq.mtp_off:
                 continue
             step_rows.append(v)
             lo = seq.num_computed_tokens - v
@@ -600,10 +611,17 @@ class LLMEngine:
             want.append(ci in sampled and not seq.is_finished and self._num_drafts(seq) > 0)
         if not any(want):  # nobody drafts next step: decode rows can wait for the MTP layer (prompt chunks do not)
             # a finished request is caught up now: its end-of-request snapshot holds the MTP layer's rows too
-            keep = [i for i, (r, v) in enumerate(zip(rows, step_rows))
-                    if r.shape[0] >= MAX_BACKLOG or v > 1 or entries[i][0].is_finished]
+            # a full backlog of a decoding request is caught up, or dropped where speculation cannot pay
+            pays = self._mtp_pays(len(self.scheduler.running))
+            keep, drop = [], []
+            for i, (r, v) in enumerate(zip(rows, step_rows)):
+                if v > 1 or entries[i][0].is_finished or (r.shape[0] >= MAX_BACKLOG and pays):
+                    keep.append(i)
+                elif r.shape[0] >= MAX_BACKLOG:
+                    drop.append(i)
+            drop_backlogs([entries[i][0] for i in drop], self.spec_stats)
             for i, (seq, lo, _) in enumerate(entries):
-                if i not in keep:  # graph outputs are overwritten by the next replay: keep a copy
+                if i not in keep and i not in drop:  # graph outputs are overwritten by the next replay: keep a copy
                     seq.mtp_backlog = MTPBacklog(lo, [rows[i].clone()])
             entries, rows, want = [entries[i] for i in keep], [rows[i] for i in keep], [want[i] for i in keep]
         if not entries:

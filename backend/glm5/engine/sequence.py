@@ -89,6 +89,9 @@ class Sequence:
     # and the target hidden rows the MTP layer has not seen yet (glm5.engine.spec_batched.MTPBacklog)
     noise_seed: int = 0
     mtp_backlog: object | None = None
+    # the MTP layer stopped following this request: its backlog filled while speculation could not pay at the
+    # running batch size and was dropped, so its MTP cache has a gap and it drafts no more (until preempted)
+    mtp_off: bool = False
 
     @property
     def num_tokens(self) -> int:

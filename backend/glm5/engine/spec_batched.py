@@ -16,8 +16,11 @@ When the next step drafts nothing (the adaptive policy chose ``k = 0``) the MTP 
 target's hidden rows wait in the request's backlog (:class:`MTPBacklog`) and the next drafting step catches
 up on all of them, up to ``DRAIN_ROWS`` rows per request per graph replay (while the weights dominate, a
 replay of several rows costs about what one row does), so a step without speculation costs what a plain
-decode step costs. A backlog of ``MAX_BACKLOG`` rows is caught up without drafting; a mixed (prefill) step
-prepends it in the per-request proposal.
+decode step costs. A backlog of ``MAX_BACKLOG`` rows is caught up without drafting, if speculation could pay
+at the running batch size (``keep_mtp``); where no ``k > 0`` could beat ``k = 0`` even at full acceptance,
+draining would be pure cost, so the backlog is dropped instead and the request drafts no more
+(``Sequence.mtp_off``: its MTP cache has a gap). A mixed (prefill) step prepends a backlog in the per-request
+proposal.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from glm5.sampler import Sampler
 logger = logging.getLogger(__name__)
 
 MAX_BACKLOG = 64   # target hidden rows a request may hold back from the MTP layer
-DRAIN_ROWS = 16    # backlog rows per request of one drain pass (a captured graph per batch bucket)
+DRAIN_ROWS = 32    # backlog rows per request of one drain pass (a captured graph per batch bucket)
 
 
 @dataclass
@@ -108,6 +111,19 @@ def release_backlogs(seqs: list[Sequence], more: list[torch.Tensor | None] | Non
     return out
 
 
+def drop_backlogs(seqs: list[Sequence], stats=None) -> None:
+    """Stop the MTP layer following ``seqs``: their backlogs go unprocessed, so their MTP caches have a gap
+    and they draft no more (``Sequence.mtp_off``). Where speculation cannot pay, this is cheaper than a drain.
+    ``stats``: a :class:`~glm5.engine.spec_decode.SpecStats` that counts them."""
+    for seq in seqs:
+        seq.mtp_backlog = None
+        seq.mtp_off = True
+    if stats is not None:
+        stats.mtp_dropped += len(seqs)
+    if seqs:
+        logger.debug("MTP layer stops following %d requests (speculation cannot pay at this batch size)", len(seqs))
+
+
 @dataclass
 class VerifyResult:
     """What a batched step produced, per scheduled chunk (in order)."""
@@ -117,7 +133,8 @@ class VerifyResult:
     drafts: list[int]                     # drafts verified
     accepted: list[int]                   # drafts accepted
     first_positions: list[int]            # position of each request's first row (its last accepted token)
-    hidden: torch.Tensor                  # [n * rows_per_seq, H] target hidden rows (a copy)
+    hidden: torch.Tensor | None           # [n * rows_per_seq, H] target hidden rows (a copy); None if no
+    #                                       request keeps them (every one is mtp_off)
     rows_per_seq: int
 
 
@@ -137,6 +154,7 @@ class BatchedSpeculation:
         text = runner.cfg.text
         dev, dtype = runner.device, runner.dtype
         self.max_requests = max_requests
+        self.stats = None  # the engine's SpecStats (counts dropped backlogs), set by the engine
         # rows per pass: k+1 per request to verify or catch up, DRAIN_ROWS per request to drain a backlog
         self.stager = DecodeStager(self.cache, max_requests * max(DRAIN_ROWS, k_max + 1), runner.stager.max_blocks, dev)
         self.buffers = VerifyBuffers.allocate(text, max_requests, k_max + 1, dev, dtype)
@@ -212,7 +230,8 @@ class BatchedSpeculation:
         seqs = [c.seq for c in sched.chunks]
         n = len(seqs)
         result = self._sample_plain(out.logits[:n], seqs)
-        hidden = out.hidden[:n].clone()
+        # the graph's output rows are overwritten by the next replay: a copy for the backlogs, if anyone keeps one
+        hidden = out.hidden[:n].clone() if not all(s.mtp_off for s in seqs) else None
         tokens = result.token_ids.tolist()
         lps = [[_logprob_dict(result.logprobs[i])] for i in range(n)]
         return VerifyResult(tokens=[[x] for x in tokens], logprobs=lps, drafts=[0] * n, accepted=[0] * n,
@@ -278,24 +297,32 @@ class BatchedSpeculation:
         return emitted, accepted, lps
 
     # ------------------------------------------------------------------ MTP: catch-up and drafts
-    def propose(self, live: list[tuple[int, Sequence, int]], res: VerifyResult, ensure_blocks) -> bool:
+    def propose(self, live: list[tuple[int, Sequence, int]], res: VerifyResult, ensure_blocks,
+                keep_mtp: bool = True) -> bool:
         """``live``: ``(chunk index, request, drafts wanted next step)`` of every request still running.
         Catches the MTP layer up on each one's accepted rows (and backlog) and sets ``draft_tokens`` /
-        ``draft_probs``; when nobody drafts, the rows go to the backlogs instead. True when the MTP layer
-        ran (a drafting step, or a full backlog drained)."""
+        ``draft_probs``; when nobody drafts, the rows go to the backlogs instead. ``keep_mtp``: whether a full
+        backlog is drained (speculation could pay at this batch size) or dropped (module docstring). Requests
+        the MTP layer no longer follows (``mtp_off``) are skipped. True when the MTP layer ran (a drafting
+        step, or a full backlog drained)."""
         t = res.rows_per_seq
         if not any(want for *_, want in live):
             # nobody drafts: each request's emitted rows join its backlog as a reference into this step's hidden
             # rows (O(1) host work per request); a backlog that reached MAX_BACKLOG rows is caught up without
-            # drafting
+            # drafting, or dropped
             full = []
             for i, seq, _ in live:
+                if seq.mtp_off:
+                    continue
                 b = seq.mtp_backlog
                 if b is None:
                     b = seq.mtp_backlog = MTPBacklog(res.first_positions[i])
                 b.append(res.hidden, i * t, min(res.accepted[i] + 1, t))
                 if b.count >= MAX_BACKLOG:
                     full.append(seq)
+            if full and not keep_mtp:
+                drop_backlogs(full, self.stats)
+                return False
             if full:
                 self._catch_up([(seq, first, rows_h, 0) for seq, (first, rows_h) in zip(full, release_backlogs(full))],
                                drafting=False)
@@ -303,7 +330,8 @@ class BatchedSpeculation:
         per_request = res.hidden.split(t)  # one view per request in one call, cut below only where drafts failed
         entries = []   # (seq, first position, hidden rows, drafts wanted)
         for i, seq, want in live:
-            entries.append((seq, res.first_positions[i], per_request[i][: res.accepted[i] + 1], want))
+            if not seq.mtp_off:
+                entries.append((seq, res.first_positions[i], per_request[i][: res.accepted[i] + 1], want))
         held = [j for j, (seq, *_) in enumerate(entries) if seq.mtp_backlog is not None]
         if held:
             released = release_backlogs([entries[j][0] for j in held], [entries[j][2] for j in held])
@@ -318,7 +346,8 @@ class BatchedSpeculation:
         """MTP rows for every entry's pending positions; returns (drafting) the last row's logits, recycled
         hidden and (index sharing) scores per entry. Rows before the last ``k_max + 1`` of an entry (a backlog)
         go first, in drain passes of up to ``DRAIN_ROWS`` rows per request without logits (graph replays: a
-        backlog of ``MAX_BACKLOG`` rows costs four, not one eager pass over every row)."""
+        backlog of ``MAX_BACKLOG`` rows costs two, not one eager pass over every row; each pass reads the MTP
+        layer's weights, its routed experts included, once)."""
         t = DRAIN_ROWS
         keep = self.k_max + 1 if drafting else 0
         heads = [(seq, first, rows_h[: max(0, rows_h.shape[0] - keep)]) for seq, first, rows_h, _ in entries]

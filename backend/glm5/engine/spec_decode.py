@@ -42,6 +42,7 @@ class SpecStats:
     accepted: list[int] = field(default_factory=list)
     steps: int = 0
     emitted: int = 0                                     # tokens produced by verification steps
+    mtp_dropped: int = 0                                 # requests the MTP layer stopped following (engine-wide)
 
     def __post_init__(self) -> None:
         self.proposed = [0] * self.num_speculative_tokens
@@ -67,7 +68,7 @@ class SpecStats:
         return {"num_speculative_tokens": self.num_speculative_tokens, "steps": self.steps,
                 "acceptance_rate_per_position": [round(x, 4) for x in self.acceptance_rate],
                 "mean_accepted_length": round(self.mean_accepted_length, 4),
-                "proposed": list(self.proposed), "accepted": list(self.accepted)}
+                "proposed": list(self.proposed), "accepted": list(self.accepted), "mtp_dropped": self.mtp_dropped}
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:

@@ -328,6 +328,10 @@ class FixedK:
     def choose(self, batch: int, may_probe: bool = True) -> int:
         return self.k_max
 
+    def can_pay(self, batch: int) -> bool:
+        """A fixed ``k > 0`` always speculates, so the MTP layer's history is always kept."""
+        return self.k_max > 0
+
     def observe_step(self, results: list[tuple[int, int]]) -> None:
         self.tracker.observe_step(results)
 
