@@ -152,6 +152,13 @@ def test_mhc_kernels_compile(dtype, precision, block_t):
              dict(N=4, BLOCK_H=512))
 
 
+@pytest.mark.parametrize("dtype,has_add", [("bf16", True), ("bf16", False), ("fp32", True)])
+def test_moe_sum_kernel_compiles(dtype, has_add):
+    from glm5_kernels.fused_moe import _moe_sum_kernel
+    _compile(_moe_sum_kernel, dict(y_ptr=dtype, add_ptr=dtype, out_ptr=dtype),
+             dict(TOP_K=8, BLOCK_H=1024, HAS_ADD=has_add))
+
+
 # bf16/fp32 as before; fp8 experts (bf16 activations) with the decode tile (16 x 256, K spanning two scale blocks)
 # and the prefill tile; the w8a8 mode (one 128-channel K step, e4m3 dots accumulated in fp32) with the decode
 # tile and the 128-row prefill tile at the stages its launcher keeps (3 of the table's 4). The fp32 fp8 path

@@ -133,6 +133,16 @@ def test_fused_moe_interpreter_cpu():
         rels.append(case(37, 8, 48, 80, 3, 0.7, small))     # K and N tails: 48 % 32, 80 % 32
         rels.append(case(37, 8, 48, 80, 1, 0.7, small))     # top-1: no reduction
         rels.append(case(20, 4, 32, 32, 3, 1e4))            # clamp inactive
+        # the shared expert's output added in the slot-sum launch: the same as adding it afterwards (fp32)
+        x = torch.randn(5, 48, generator=g)
+        wg, wu = torch.randn(2, 8, 80, 48, generator=g) / 48 ** 0.5
+        wd = torch.randn(8, 48, 80, generator=g) / 80 ** 0.5
+        ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(5)])
+        w, add = torch.rand(5, 3, generator=g), torch.randn(5, 48, generator=g)
+        for k_ids in (ids, ids[:, :1]):
+            plain = fused_moe(x, wg, wu, wd, w[:, : k_ids.shape[1]], k_ids, 0.7, config=small)
+            both = fused_moe(x, wg, wu, wd, w[:, : k_ids.shape[1]], k_ids, 0.7, config=small, add=add)
+            assert torch.allclose(both, plain + add, rtol=1e-6, atol=1e-6), (both - plain - add).abs().max()
         print("ok", max(rels))
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
@@ -193,6 +203,25 @@ def test_fused_moe_fp32_ieee_matches_reference_gpu(t):
     ref = fused_moe_ref(*args, compute_dtype=torch.float64)
     rel = ((got.double() - ref).norm() / ref.norm()).item()
     assert rel < 1e-5, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,k", [(1, 8), (64, 8), (4096, 8), (7, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_moe_sum_with_shared_add_is_two_roundings_gpu(t, k, dtype):
+    """The slot sum plus the shared expert's output in one launch equals, bit for bit, the fp32 slot-order sum
+    rounded to the dtype and then the dtype add (``y.sum(1) + shared``); and without ``add`` the sum alone."""
+    from glm5_kernels.fused_moe import moe_sum
+    g = torch.Generator(device="cuda").manual_seed(t * 10 + k)
+    y = torch.randn(t * k, 4096, device="cuda", generator=g).to(dtype)
+    add = torch.randn(t, 4096, device="cuda", generator=g).to(dtype)
+    acc = torch.zeros(t, 4096, device="cuda")
+    for j in range(k):                      # slot order, fp32
+        acc += y.view(t, k, 4096)[:, j].float()
+    assert torch.equal(moe_sum(y, k), acc.to(dtype))
+    assert torch.equal(moe_sum(y, k, add), acc.to(dtype) + add)
+    torch.testing.assert_close(moe_sum(y, k), y.view(t, k, 4096).sum(1), rtol=1e-2 if dtype != torch.float32 else 1e-6,
+                               atol=1e-2 if dtype != torch.float32 else 1e-5)
 
 
 @pytest.mark.gpu

@@ -18,8 +18,11 @@ Design (the structure of vLLM's ``fused_moe``, written for separate gate/up tens
    tensors because a concatenated copy of ~72 GB of experts does not fit), apply the clamped SwiGLU
    in the epilogue and write ``h[pair]`` in ``x.dtype`` (the reference rounds there too).
 3. ``_moe_down_kernel``: ``h[pair] @ W_downᵀ`` times the pair's routing weight, written to
-   ``y[pair]`` in (token, slot) order, so step 4 is a plain deterministic ``sum`` over the k slots
+   ``y[pair]`` in (token, slot) order, so step 4 is a plain deterministic sum over the k slots
    (no atomics: same result on every run and on graph replay).
+4. ``_moe_sum_kernel``: that sum (fp32, slot order, rounded once, as ``y.sum(dim=1)``), plus an optional
+   ``add`` (the shared expert's output) in the same launch: ``round(round(Σ_k y) + add)``, what
+   ``y.sum(1) + add`` gives in two launches.
 
 fp32 inputs use ``input_precision="ieee"`` (the fp32 mode is compared token for token with an
 oracle); bf16/fp16 use tensor cores with fp32 accumulation.
@@ -515,6 +518,42 @@ def moe_gate_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, routi
     return h
 
 
+@triton.jit
+def _moe_sum_kernel(y_ptr, add_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_ADD: tl.constexpr):
+    """out[t, h] = Σ_k y[t, k, h] (fp32, slot order, rounded to out's dtype) [+ add[t, h], rounded again]."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m = offs < H
+    dt = out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + k) * H + offs, mask=m, other=0.0).to(tl.float32)
+    out = acc.to(dt)
+    if HAS_ADD:
+        out = (out.to(tl.float32) + tl.load(add_ptr + t * H + offs, mask=m, other=0.0).to(tl.float32)).to(dt)
+    tl.store(out_ptr + t * H + offs, out, mask=m)
+
+
+def moe_sum(y: torch.Tensor, top_k: int, add: torch.Tensor | None = None, block_h: int = 1024) -> torch.Tensor:
+    """``y [T·k, H]`` (token-major slots) → ``[T, H]``: the sum over each token's ``k`` slots, plus ``add``
+    ``[T, H]`` when given, in one launch (``y.view(T, k, H).sum(1) + add`` takes two)."""
+    tk, h = y.shape
+    if tk % top_k:
+        raise ValueError(f"moe_sum: {tk} rows are not whole tokens of top_k={top_k} slots")
+    t = tk // top_k
+    if add is not None and (add.shape != (t, h) or add.dtype != y.dtype):
+        raise ValueError(f"moe_sum: add must be [{t}, {h}] {y.dtype}, got {add.dtype} {tuple(add.shape)}")
+    y = y.contiguous()
+    add = add.contiguous() if add is not None else None
+    out = torch.empty(t, h, device=y.device, dtype=y.dtype)
+    if t == 0:
+        return out
+    block_h = min(block_h, triton.next_power_of_2(h))
+    _moe_sum_kernel[(t, triton.cdiv(h, block_h))](y, add if add is not None else y, out, h, TOP_K=top_k,
+                                                   BLOCK_H=block_h, HAS_ADD=add is not None, num_warps=4)
+    return out
+
+
 def moe_down(h: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, routing: AlignedRouting,
              cfg: dict[str, Any], out: torch.Tensor | None = None,
              scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -587,8 +626,9 @@ def fused_moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, swiglu_limit: float | None,
               config: dict[str, Any] | None = None,
               scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-              expert_map: torch.Tensor | None = None) -> torch.Tensor:
-    """Routed-expert forward of ``x [T, H]`` → ``[T, H]`` in ``x.dtype`` (see module docstring).
+              expert_map: torch.Tensor | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed-expert forward of ``x [T, H]`` → ``[T, H]`` in ``x.dtype`` (see module docstring), plus ``add``
+    ``[T, H]`` (the shared expert's output) when given, added in the slot-sum launch.
 
     ``w_gate``/``w_up`` ``[E, I, H]`` and ``w_down`` ``[E, H, I]`` in ``x.dtype``, or float8_e4m3fn with
     ``scales`` = their fp32 128 x 128 block scales (gate, up, down); ``topk_weights``
@@ -606,7 +646,7 @@ def fused_moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
     e, inter, _ = w_gate.shape
     top_k = topk_ids.shape[1]
     if t == 0 or top_k == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if add is None else add.clone()
     if config is None:
         config = get_config(t, top_k, e, hidden, inter, x.dtype, x.device, fp8_weights=scales is not None)
     else:
@@ -625,12 +665,12 @@ def fused_moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
                     scales=None if scales is None else (scales[0], scales[1]))
     y = moe_down(h, w_down, weights, routing, down_config(config), out=y_out,
                  scale=None if scales is None else scales[2])
-    if top_k == 1:
+    if top_k == 1 and add is None:
         return y
-    return y.view(t, top_k, hidden).sum(dim=1)
+    return moe_sum(y, top_k, add)
 
 
 __all__ = ["AlignedRouting", "align_routing", "fused_moe", "moe_align_block_size", "moe_forward_flops_bytes",
            "get_config", "default_config", "select_config", "load_config_table", "config_file_name",
-           "max_padded_rows", "moe_gate_up", "moe_down", "down_config", "default_a_fp8", "quantises_activations",
+           "max_padded_rows", "moe_gate_up", "moe_down", "moe_sum", "down_config", "default_a_fp8", "quantises_activations",
            "W8A8_MAX_TOKENS", "CONFIG_DIR"]

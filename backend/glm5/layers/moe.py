@@ -115,30 +115,28 @@ class MoE:
         routing = route(x, self.gate_w, self.bias, self.cfg, self.gate_w_model, self.router_workspace)
         shared = self.shared(x) if self.shared is not None else None
         if self.experts is None:
-            out = self._routed(x, routing.weights, routing.experts)
-            if shared is not None:
-                out = out + shared
-            return self.par.tp_all_reduce(out)
+            return self.par.tp_all_reduce(self._routed(x, routing.weights, routing.experts, add=shared))
         phys = self.experts.to_physical(routing.experts, self.count_load)
         if self.par.config.ep_dispatch == "all2all":
             out = self._routed_all2all(x, routing.weights, phys)
             if shared is not None:
                 out = out + self.par.tp_all_reduce(shared)
             return out
-        out = self._routed(x, routing.weights, phys, self.experts.local_of_physical)
-        if shared is not None and self.par.ranks.replica == 0:
-            out = out + shared
+        out = self._routed(x, routing.weights, phys, self.experts.local_of_physical,
+                           add=shared if self.par.ranks.replica == 0 else None)
         return self.par.ep_reduce_scatter_gather(out)
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                expert_map: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's experts on the pairs routed to them (all pairs without an ``expert_map``)."""
+                expert_map: torch.Tensor | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's experts on the pairs routed to them (all pairs without an ``expert_map``), plus ``add``
+        (the shared expert's partial; the Triton path adds it in the kernel that sums the slots)."""
         if moe_backend(x.device, x.dtype) == "triton":
             from glm5_kernels.fused_moe import fused_moe
             return fused_moe(x, self.w_gate, self.w_up, self.w_down, weights, ids, self.cfg.swiglu_limit,
-                             scales=self.scales, expert_map=expert_map)
-        return fused_moe_ref(x, self.w_gate, self.w_up, self.w_down, weights, ids, self.cfg.swiglu_limit,
-                             scales=self.scales, expert_map=expert_map)
+                             scales=self.scales, expert_map=expert_map, add=add)
+        out = fused_moe_ref(x, self.w_gate, self.w_up, self.w_down, weights, ids, self.cfg.swiglu_limit,
+                            scales=self.scales, expert_map=expert_map)
+        return out if add is None else out + add
 
     def _routed_all2all(self, x: torch.Tensor, weights: torch.Tensor, phys: torch.Tensor) -> torch.Tensor:
         """All-to-all dispatch and combine of the routed experts (see the class docstring)."""
