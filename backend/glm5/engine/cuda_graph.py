@@ -91,6 +91,8 @@ class DecodeStager:
         self.dev_bt = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(max_batch, dtype=torch.int64, device=device)
         self._copied = torch.cuda.Event() if pin else None
+        # the device as an index: current_stream(torch.device("cuda")) resolves the current device on every call
+        self._stream_device = (device.index if device.index is not None else torch.cuda.current_device()) if pin else None
         self._pad_slot = cache.scratch_block * cache.block_size  # latent row of a padding row's token
         # numpy views of the pinned buffers and, per batch size, the buffers' slices: made once, since slicing
         # tensors costs microseconds of host time per view, each step
@@ -144,7 +146,7 @@ class DecodeStager:
         if prepare is not None:
             prepare(batch)
         if self._copied is not None:
-            self._copied.record(torch.cuda.current_stream(self.device))
+            self._copied.record(torch.cuda.current_stream(self._stream_device))
         return batch
 
     def _write_block_tables(self, bt, tables: list[list[int]], lens: list[int], padded: int) -> None:
@@ -204,10 +206,13 @@ class DecodeAttentionPlanner:
     def __init__(self, text_cfg: TextConfig, max_batch: int, dtype: torch.dtype, device: torch.device):
         self.cfg, self.max_batch, self.dtype, self.device = text_cfg, max_batch, dtype, device
         self.wrapper = None  # FlashInferSparseMLA, made on first use
+        self.backend: str | None = None  # resolved on the first call (graphs captured then keep that choice)
 
     def __call__(self, batch: ForwardBatch) -> None:
-        from glm5.layers.backends import decode_attn_backend
-        if decode_attn_backend(self.device, self.dtype, self.cfg.kv_lora_rank) != "flashinfer":
+        if self.backend is None:
+            from glm5.layers.backends import decode_attn_backend
+            self.backend = decode_attn_backend(self.device, self.dtype, self.cfg.kv_lora_rank)
+        if self.backend != "flashinfer":
             return
         from glm5_kernels.flashinfer_mla import FlashInferSparseMLA
         from glm5_kernels.indexer_ref import count_selected
