@@ -108,8 +108,8 @@ def test_fused_moe_interpreter_cpu():
     import triton  # noqa: F401
     code = textwrap.dedent("""
         import torch
-        from glm5_kernels.fused_moe import fused_moe
-        from glm5_kernels.moe_ref import fused_moe_ref
+        from glm5_kernels.fused_moe import fused_moe, moe_sum
+        from glm5_kernels.moe_ref import fused_moe_ref, moe_sum_ref
         g = torch.Generator().manual_seed(0)
         def case(t, e, h, i, k, limit, config=None):
             x = torch.randn(t, h, generator=g) * 2
@@ -143,6 +143,9 @@ def test_fused_moe_interpreter_cpu():
             plain = fused_moe(x, wg, wu, wd, w[:, : k_ids.shape[1]], k_ids, 0.7, config=small)
             both = fused_moe(x, wg, wu, wd, w[:, : k_ids.shape[1]], k_ids, 0.7, config=small, add=add)
             assert torch.allclose(both, plain + add, rtol=1e-6, atol=1e-6), (both - plain - add).abs().max()
+        slots = torch.randn(5 * 3, 48, generator=g)
+        assert torch.equal(moe_sum(slots, 3, add), moe_sum_ref(slots, 3, add)) and torch.equal(moe_sum(slots, 3),
+                                                                                             moe_sum_ref(slots, 3))
         print("ok", max(rels))
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
@@ -212,14 +215,12 @@ def test_moe_sum_with_shared_add_is_two_roundings_gpu(t, k, dtype):
     """The slot sum plus the shared expert's output in one launch equals, bit for bit, the fp32 slot-order sum
     rounded to the dtype and then the dtype add (``y.sum(1) + shared``); and without ``add`` the sum alone."""
     from glm5_kernels.fused_moe import moe_sum
+    from glm5_kernels.moe_ref import moe_sum_ref
     g = torch.Generator(device="cuda").manual_seed(t * 10 + k)
     y = torch.randn(t * k, 4096, device="cuda", generator=g).to(dtype)
     add = torch.randn(t, 4096, device="cuda", generator=g).to(dtype)
-    acc = torch.zeros(t, 4096, device="cuda")
-    for j in range(k):                      # slot order, fp32
-        acc += y.view(t, k, 4096)[:, j].float()
-    assert torch.equal(moe_sum(y, k), acc.to(dtype))
-    assert torch.equal(moe_sum(y, k, add), acc.to(dtype) + add)
+    assert torch.equal(moe_sum(y, k), moe_sum_ref(y, k))          # slot order, fp32, one rounding
+    assert torch.equal(moe_sum(y, k, add), moe_sum_ref(y, k, add))
     torch.testing.assert_close(moe_sum(y, k), y.view(t, k, 4096).sum(1), rtol=1e-2 if dtype != torch.float32 else 1e-6,
                                atol=1e-2 if dtype != torch.float32 else 1e-5)
 

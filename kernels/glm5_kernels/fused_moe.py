@@ -536,7 +536,8 @@ def _moe_sum_kernel(y_ptr, add_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl
 
 def moe_sum(y: torch.Tensor, top_k: int, add: torch.Tensor | None = None, block_h: int = 1024) -> torch.Tensor:
     """``y [T·k, H]`` (token-major slots) → ``[T, H]``: the sum over each token's ``k`` slots, plus ``add``
-    ``[T, H]`` when given, in one launch (``y.view(T, k, H).sum(1) + add`` takes two)."""
+    ``[T, H]`` when given, in one launch (``y.view(T, k, H).sum(1) + add`` takes two). Reference:
+    :func:`glm5_kernels.moe_ref.moe_sum_ref` (equal bit for bit)."""
     tk, h = y.shape
     if tk % top_k:
         raise ValueError(f"moe_sum: {tk} rows are not whole tokens of top_k={top_k} slots")

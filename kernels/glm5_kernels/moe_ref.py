@@ -76,4 +76,17 @@ def fused_moe_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
     return out.to(compute_dtype or x.dtype)
 
 
-__all__ = ["clamped_swiglu_ref", "fused_moe_ref"]
+def moe_sum_ref(y: torch.Tensor, top_k: int, add: torch.Tensor | None = None) -> torch.Tensor:
+    """``y [T·k, H]`` (token-major slots) → ``[T, H]``: the fp32 sum over each token's slots in slot order, rounded
+    to ``y.dtype`` once, then ``+ add`` in that dtype — what :func:`glm5_kernels.fused_moe.moe_sum` computes in one
+    launch (and ``y.view(T, k, H).sum(1) + add`` in two, up to the sum's order)."""
+    t = y.shape[0] // top_k
+    slots = y.view(t, top_k, y.shape[1])
+    acc = torch.zeros(t, y.shape[1], dtype=torch.float32, device=y.device)
+    for j in range(top_k):
+        acc += slots[:, j].float()
+    out = acc.to(y.dtype)
+    return out if add is None else out + add
+
+
+__all__ = ["clamped_swiglu_ref", "fused_moe_ref", "moe_sum_ref"]
