@@ -141,16 +141,14 @@ class LLMEngine:
         # speculative steps of pure-decode batches on the batched path (glm5.engine.spec_batched); it drives the
         # runner's model and cache directly, so a multi-device engine speculates on the per-request path
         spec_batch = min(args.speculative_max_batch, args.max_num_seqs)
-        self.spec = BatchedSpeculation(self.runner, self.sampler, k, spec_batch) \
+        self.spec_stats = SpecStats(k) if k else None
+        self.spec = BatchedSpeculation(self.runner, self.sampler, k, spec_batch, stats=self.spec_stats) \
             if k > 0 and self.runner.batched_decode and not args.uses_executor else None
         if self.device.type == "cuda" and not args.enforce_eager:
             graph_max = args.cuda_graph_max_batch or args.max_num_seqs
             self.runner.capture_cuda_graphs(graph_max)
             if self.spec is not None and self.runner.graphs is not None:
                 self.spec.capture_cuda_graphs(graph_max, pool=self.runner.graphs.pool)
-        self.spec_stats = SpecStats(k) if k else None
-        if self.spec is not None:
-            self.spec.stats = self.spec_stats
         self.k_policy = self._k_policy(args)
         self._k_next = k
         self._mtp_ran = False   # the last step ran the MTP layer (so it was no plain step)
@@ -615,14 +613,14 @@ class LLMEngine:
             pays = self._mtp_pays(len(self.scheduler.running))
             keep, drop = [], []
             for i, (r, v) in enumerate(zip(rows, step_rows)):
-                if v > 1 or entries[i][0].is_finished or (r.shape[0] >= MAX_BACKLOG and pays):
+                seq, lo, _ = entries[i]
+                if v > 1 or seq.is_finished or (r.shape[0] >= MAX_BACKLOG and pays):
                     keep.append(i)
                 elif r.shape[0] >= MAX_BACKLOG:
-                    drop.append(i)
-            drop_backlogs([entries[i][0] for i in drop], self.spec_stats)
-            for i, (seq, lo, _) in enumerate(entries):
-                if i not in keep and i not in drop:  # graph outputs are overwritten by the next replay: keep a copy
-                    seq.mtp_backlog = MTPBacklog(lo, [rows[i].clone()])
+                    drop.append(seq)
+                else:  # graph outputs are overwritten by the next replay: the backlog keeps a copy
+                    seq.mtp_backlog = MTPBacklog(lo, [r.clone()])
+            drop_backlogs(drop, self.spec_stats)
             entries, rows, want = [entries[i] for i in keep], [rows[i] for i in keep], [want[i] for i in keep]
         if not entries:
             return False

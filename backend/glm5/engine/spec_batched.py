@@ -148,13 +148,14 @@ def neutral_params(params):
 class BatchedSpeculation:
     """Runs speculative steps of pure-decode batches (module docstring) for an engine's model runner."""
 
-    def __init__(self, runner, sampler: Sampler, k_max: int, max_requests: int):
+    def __init__(self, runner, sampler: Sampler, k_max: int, max_requests: int, stats=None):
+        """``stats``: the engine's :class:`~glm5.engine.spec_decode.SpecStats` (it counts dropped backlogs)."""
         self.runner, self.sampler, self.k_max = runner, sampler, k_max
         self.model, self.mtp, self.cache = runner.model, runner.mtp, runner.cache
         text = runner.cfg.text
         dev, dtype = runner.device, runner.dtype
         self.max_requests = max_requests
-        self.stats = None  # the engine's SpecStats (counts dropped backlogs), set by the engine
+        self.stats = stats
         # rows per pass: k+1 per request to verify or catch up, DRAIN_ROWS per request to drain a backlog
         self.stager = DecodeStager(self.cache, max_requests * max(DRAIN_ROWS, k_max + 1), runner.stager.max_blocks, dev)
         self.buffers = VerifyBuffers.allocate(text, max_requests, k_max + 1, dev, dtype)
@@ -320,13 +321,14 @@ class BatchedSpeculation:
                 b.append(res.hidden, i * t, min(res.accepted[i] + 1, t))
                 if b.count >= MAX_BACKLOG:
                     full.append(seq)
-            if full and not keep_mtp:
+            if not full:
+                return False
+            if not keep_mtp:
                 drop_backlogs(full, self.stats)
                 return False
-            if full:
-                self._catch_up([(seq, first, rows_h, 0) for seq, (first, rows_h) in zip(full, release_backlogs(full))],
-                               drafting=False)
-            return bool(full)
+            self._catch_up([(seq, first, rows_h, 0) for seq, (first, rows_h) in zip(full, release_backlogs(full))],
+                           drafting=False)
+            return True
         per_request = res.hidden.split(t)  # one view per request in one call, cut below only where drafts failed
         entries = []   # (seq, first position, hidden rows, drafts wanted)
         for i, seq, want in live:
