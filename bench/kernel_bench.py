@@ -105,8 +105,8 @@ def small(out: str) -> None:
             row = {"kernel": "sparse_mla", "n": n, "valid": valid,
                    "default_us": graph_us(lambda: sparse_mla_decode(q, lat, idx, 0.0625)),
                    "counts_us": graph_us(lambda: sparse_mla_decode(q, lat, idx, 0.0625, counts=cnt))}
-            for sp in (8, 16, 32, 64):
-                for bh, bk in ((16, 32), (16, 64), (32, 32), (64, 32)):
+            for sp in (1, 2, 8, 16, 33):
+                for bh, bk in ((64, 64), (64, 32), (32, 64), (16, 32)):
                     try:
                         row[f"s{sp}_h{bh}_k{bk}_us"] = graph_us(lambda: sparse_mla_decode(
                             q, lat, idx, 0.0625, splits=sp, block_h=bh, block_k=bk, counts=cnt))

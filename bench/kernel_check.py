@@ -55,7 +55,8 @@ def ulp_agreement(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 # ---------------------------------------------------------------------------------------------- sections
 def check_sparse_prefill(rows: list, quick: bool) -> None:
-    from glm5_kernels.sparse_mla_prefill import PrefillConfig, prefill_flops, sparse_mla_prefill
+    from glm5_kernels.sparse_mla_decode import AttnConfig
+    from glm5_kernels.sparse_mla_prefill import prefill_flops, sparse_mla_prefill
     from glm5_kernels.sparse_mla_ref import sparse_mla_prefill_ref
     from test_kernels_sparse_mla_prefill import _prefill_case
     q, lat, idx, counts = _prefill_case(2048, 6144, torch.bfloat16, seed=7)       # positions 6144 .. 8191
@@ -64,11 +65,11 @@ def check_sparse_prefill(rows: list, quick: bool) -> None:
     sub = torch.arange(0, 2048, 37, device="cuda")
     ref = sparse_mla_prefill_ref(q[sub].double(), lat.double(), idx[sub], counts[sub], 0.0625, rows_per_chunk=8)
     err = ((got[sub].double() - ref).norm() / ref.norm()).item()
-    configs = [PrefillConfig()] if quick else [PrefillConfig(), PrefillConfig(32, 64, 8, 2), PrefillConfig(32, 32, 8, 3),
-                                               PrefillConfig(16, 64, 4, 2), PrefillConfig(64, 32, 8, 2, r_split=2)]
+    configs = [AttnConfig()] if quick else [AttnConfig(), AttnConfig(64, 64, 8, 3), AttnConfig(64, 128, 8, 1),
+                                            AttnConfig(64, 32, 8, 2), AttnConfig(32, 64, 4, 2)]
     sweep = {}
     for cfg in configs:
-        key = f"h{cfg.block_h}_k{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}_r{cfg.r_split}"
+        key = f"h{cfg.block_h}_k{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}"
         try:
             sweep[key] = eager_us(lambda: sparse_mla_prefill(q, lat, idx, counts, 0.0625, config=cfg))
         except Exception as e:  # out of resources for that tile

@@ -39,6 +39,12 @@ def finalize(res: dict) -> dict:
         if "error" not in r:
             r["roofline_ms"] = r["bytes"]["total"] / bw * 1e3
             r["roofline_fraction"] = r["roofline_ms"] / r["step_ms"]
+    off = res.get("pdl_off")
+    for r in off["decode"] if off else []:  # its own run's ceiling
+        if "error" not in r:
+            r["step_ms"] = r["step_s"] * 1e3
+            r["roofline_ms"] = r["bytes"]["total"] / off["ceilings"]["copy_bw_Bps"] * 1e3
+            r["roofline_fraction"] = r["roofline_ms"] / r["step_ms"]
     for r in res.get("prefill", []):
         if "error" not in r:
             r["peak_fraction"] = r["tflops"] * 1e12 / peak
@@ -101,6 +107,26 @@ def fp8_decode_table(rows: list[dict]) -> list[str]:
         out.append(f"| {b} | {c} | {h['tok_s']:.0f} | {f['tok_s']:.0f} | {f['tok_s'] / h['tok_s']:.2f}× | "
                    f"{100 * h['roofline_fraction']:.1f}% | {100 * f['roofline_fraction']:.1f}% | "
                    f"{f['bytes']['total'] / 1e9:.2f} |")
+    return out
+
+
+def pdl_table(res: dict) -> list[str]:
+    """Decode with programmatic dependent launch (this run) against the ``pdl_off`` run, per shared row."""
+    off = {(r.get("weight_dtype"), r["batch"], r["ctx"]): r for r in res["pdl_off"]["decode"] if "error" not in r}
+    out = [f"{res['pdl_off']['date']}, `{res['pdl_off']['command']}`: {res['pdl_off'].get('note', '')}. Copy "
+           f"bandwidth there {res['pdl_off']['ceilings']['copy_bw_Bps'] / 1e12:.2f} TB/s, bf16 matmul "
+           f"{res['pdl_off']['ceilings']['matmul_bf16_flops'] / 1e12:.0f} TFLOP/s (this run: "
+           f"{res['ceilings']['copy_bw_Bps'] / 1e12:.2f} / {res['ceilings']['matmul_bf16_flops'] / 1e12:.0f}).", "",
+           "| weights | batch | ctx | step ms, PDL on (this run) | step ms, PDL off | on / off | % of roofline on | "
+           "% of roofline off |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in res["decode"]:
+        key = (r.get("weight_dtype"), r.get("batch"), r.get("ctx"))
+        if "error" in r or key not in off:
+            continue
+        o = off[key]
+        out.append(f"| {_WEIGHT_NAMES.get(key[0], key[0])} | {key[1]} | {key[2]} | {r['step_ms']:.3f} | "
+                   f"{o['step_ms']:.3f} | {r['step_ms'] / o['step_ms']:.3f} | {100 * r['roofline_fraction']:.1f}% | "
+                   f"{100 * o['roofline_fraction']:.1f}% |")
     return out
 
 
@@ -219,6 +245,8 @@ def render(res: dict, path: Path, notes: Path | None = None) -> None:
         lines += ["## fp8 vs bf16 weights (same run)", "",
                   "fp8 = every projection e4m3 with 128x128 block scales (docs/fp8.md); its roofline counts one byte "
                   "per weight plus the fp32 scales.", "", *fp8_decode_table(res["decode"]), ""]
+    if res.get("pdl_off"):
+        lines += ["## Programmatic dependent launch on and off", "", *pdl_table(res), ""]
     if res.get("memory"):
         lines += ["## Weight memory of the full model per GPU (computed from the config)", "",
                   *memory_table_md(res["memory"]), "", res["memory"].get("note", ""), ""]

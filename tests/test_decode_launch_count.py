@@ -37,7 +37,7 @@ def test_fused_decode_step_launches_no_reference_chains(tmp_path):
     kda, mla, dense, moe = 6, 2, 3, 5                          # the bench architecture's 8 layers
     want = {"triton:_conv_step_kernel": kda, "triton:_gated_rms_norm_kernel": kda, "fla:fused_recurrent_kda_fwd": kda,
             "triton:_rms_norm_kernel": 2 * mla + 1, "triton:_combine_kernel": mla,
-            "triton:_sparse_mla_split_kernel": mla, "triton:_router_kernel": moe, "triton:_align_kernel": moe,
+            "triton:_sparse_mla_kernel": mla, "triton:_router_kernel": moe, "triton:_align_kernel": moe,
             "triton:_clamped_swiglu_kernel": dense + moe, "triton:_mhc_post_kernel": 2 * (kda + mla),
             "triton:_moe_sum_kernel": moe}   # the slot sum with the shared expert's output added
     assert {k: ops.get(k) for k in want} == want

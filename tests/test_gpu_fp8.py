@@ -100,3 +100,18 @@ def test_gpu_fp8_kernels_logits_vs_dequantized_bf16(fp8_checkpoint, prompts):
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / "fp8_logits.json").write_text(json.dumps(report, indent=1) + "\n")
     assert rel < LOGITS_BOUND, report
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_gpu_pdl_off_and_on_give_the_same_tokens(trained_checkpoint, prompts, monkeypatch, quantization):
+    """Programmatic dependent launch changes when kernels start, never what they compute: the served engine
+    (CUDA graphs, batched decode) gives the same greedy tokens with ``GLM5_PDL=0`` and ``GLM5_PDL=1``."""
+    from glm5_kernels import pdl
+    monkeypatch.setenv(pdl.ENV, "1")
+    assert pdl.pdl_enabled(torch.device("cuda")), "PDL cannot run on this GPU; the comparison would be vacuous"
+    outs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv(pdl.ENV, flag)
+        outs[flag] = trained_tiny.greedy_tokens(trained_checkpoint, prompts[:8], "bfloat16", device="cuda", n=16,
+                                                quantization=quantization)
+    assert outs["0"] == outs["1"]

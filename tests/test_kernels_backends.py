@@ -65,7 +65,10 @@ def test_new_kernel_backends_auto_by_dtype_and_fail_fast(monkeypatch):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert backends.attn_backend(cuda, torch.bfloat16, 512) == "triton"
     assert backends.attn_backend(cuda, torch.float32, 512) == "sdpa"
-    assert backends.attn_backend(cuda, torch.bfloat16, 96) == "sdpa"      # the kernel takes powers of two
+    assert backends.attn_backend(cuda, torch.bfloat16, 96) == "sdpa"      # the kernel takes powers of two >= 32
+    assert backends.attn_backend(cuda, torch.bfloat16, 16) == "sdpa"
+    assert backends.decode_attn_backend(cuda, torch.bfloat16, 16) == "torch"
+    assert backends.decode_attn_backend(cuda, torch.bfloat16, 512) == "triton"
     for fn in (backends.router_backend, backends.fuse_backend):
         assert fn(cuda, torch.bfloat16) == "triton"
         assert fn(cuda, torch.float32) == "torch"
@@ -73,6 +76,9 @@ def test_new_kernel_backends_auto_by_dtype_and_fail_fast(monkeypatch):
     backends.set_backends(attn="triton", router="triton", fuse="triton")
     with pytest.raises(backends.BackendUnavailable, match="kv_lora_rank 96"):
         backends.attn_backend(cuda, torch.bfloat16, 96)
+    backends.set_backends(decode_attn="triton")
+    with pytest.raises(backends.BackendUnavailable, match="kv_lora_rank 16"):
+        backends.decode_attn_backend(cuda, torch.bfloat16, 16)
     for fn in (backends.router_backend, backends.fuse_backend):
         with pytest.raises(backends.BackendUnavailable, match="not on a CUDA device"):
             fn(cpu, torch.float32)

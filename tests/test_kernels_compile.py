@@ -37,8 +37,12 @@ def _compile(fn, ptrs: dict[str, str], constexprs: dict, floats: tuple[str, ...]
             raise AssertionError(f"{fn.__name__}: no element type given for {p.name}")
         else:
             sig[p.name] = "fp32" if p.name in floats else "i64" if p.name in i64 else "i32"
+    if any(p.name == "USE_PDL" for p in fn.params):   # the ordinary launch unless a test asks for PDL
+        constexprs = {"USE_PDL": False, **constexprs}
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
     assert not missing, f"{fn.__name__}: constexpr values missing for {missing}"
+    if constexprs.get("USE_PDL"):
+        options = {**options, "launch_pdl": True}
     kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=SM90, options=options or None)
     assert kernel.metadata.shared <= SMEM_LIMIT, f"{fn.__name__}: {kernel.metadata.shared} B of shared memory"
     return kernel
@@ -62,24 +66,18 @@ def test_index_scores_kernel_compiles(fp8):
              floats=("softmax_scale",))
 
 
-@pytest.mark.parametrize("dtype,has_cnt", [("bf16", True), ("bf16", False), ("fp32", True)])
-def test_sparse_mla_kernel_compiles(dtype, has_cnt):
-    from glm5_kernels.sparse_mla_decode import _sparse_mla_split_kernel
-    _compile(_sparse_mla_split_kernel, dict(q_ptr=dtype, lat_ptr=dtype, idx_ptr="i32", cnt_ptr="i32", o_ptr="fp32",
-                                            m_ptr="fp32", l_ptr="fp32"),
-             dict(H=64, R=512, BLOCK_H=16, BLOCK_K=32, SPLITS=8, IEEE=dtype == "fp32", HAS_CNT=has_cnt, UPCAST=False),
-             floats=("scale",))
-
-
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_sparse_mla_prefill_kernel_compiles(dtype):
-    """The default launch config of each dtype at the real shape (64 heads, 512-wide latent)."""
+@pytest.mark.parametrize("dtype,has_cnt,normalize", [("bf16", True, False), ("bf16", False, False),
+                                                    ("bf16", True, True), ("fp32", True, False), ("fp32", True, True)])
+def test_sparse_mla_kernel_compiles(dtype, has_cnt, normalize):
+    """The default tile of each dtype at the real shape (64 heads, 512-wide latent): split partials (decode) and
+    the normalised single-split output (prefill, large decode batches)."""
     import torch
-    from glm5_kernels.sparse_mla_prefill import DEFAULT_CONFIGS, _sparse_mla_prefill_kernel
+    from glm5_kernels.sparse_mla_decode import DEFAULT_CONFIGS, _sparse_mla_kernel
     cfg = DEFAULT_CONFIGS[torch.bfloat16 if dtype == "bf16" else torch.float32]
-    _compile(_sparse_mla_prefill_kernel, dict(q_ptr=dtype, lat_ptr=dtype, idx_ptr="i32", cnt_ptr="i32", o_ptr=dtype),
-             dict(H=64, R=512, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, R_SPLIT=cfg.r_split, IEEE=dtype == "fp32",
-                  UPCAST=False),
+    _compile(_sparse_mla_kernel, dict(q_ptr=dtype, lat_ptr=dtype, idx_ptr="i32", cnt_ptr="i32",
+                                      o_ptr=dtype if normalize else "fp32", m_ptr="fp32", l_ptr="fp32"),
+             dict(H=64, R=512, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, SPLITS=1 if normalize else 8,
+                  IEEE=dtype == "fp32", HAS_CNT=has_cnt, UPCAST=False, NORMALIZE=normalize),
              floats=("qk_scale",), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -102,12 +100,13 @@ def test_router_kernels_compile(t, n_group, fused):
         _compile(_router_select_kernel, ptrs, select, floats=("scaling",), num_warps=epi_warps)
 
 
-@pytest.mark.parametrize("width", [4096, 1536, 512])
-def test_rms_norm_kernel_compiles(width):
+@pytest.mark.parametrize("width,pdl", [(4096, False), (1536, False), (512, False), (4096, True)])
+def test_rms_norm_kernel_compiles(width, pdl):
     from glm5_kernels.norms import _rms_norm_kernel
     block_n = triton.next_power_of_2(width)
     _compile(_rms_norm_kernel, dict(x_ptr="bf16", w_ptr="bf16", out_ptr="bf16"),
-             dict(BLOCK_M=max(1, min(16, 2048 // block_n)), BLOCK_N=block_n, PRECISE=True, X_BF16=True, O_BF16=True),
+             dict(BLOCK_M=max(1, min(16, 2048 // block_n)), BLOCK_N=block_n, PRECISE=True, X_BF16=True, O_BF16=True,
+                  USE_PDL=pdl),
              floats=("inv_n", "eps"), num_warps=8 if block_n >= 4096 else 4)
 
 
@@ -181,28 +180,31 @@ def test_fused_moe_kernels_compile(dtype, fp8, block_m, block_k, a_fp8, stages):
              num_warps=warps, num_stages=stages)
 
 
-@pytest.mark.parametrize("dtype,block_m,block_n,block_k,split,bias,a_fp8", [
-    ("bf16", 16, 16, 256, 1, False, False), ("bf16", 16, 64, 256, 4, True, False),
-    ("bf16", 64, 128, 256, 1, True, False), ("bf16", 16, 128, 128, 1, False, True),
-    ("bf16", 64, 64, 128, 2, True, True), ("bf16", 16, 16, 32, 1, False, True), ("bf16", 64, 128, 128, 8, False, True)])
-def test_fp8_gemv_kernel_compiles(dtype, block_m, block_n, block_k, split, bias, a_fp8):
-    """W8A16 tiles, and the w8a8 GEMV's (one 128-channel group per K step, or the 32-wide minimum)."""
+@pytest.mark.parametrize("dtype,block_m,block_n,block_k,split,bias,a_fp8,pdl", [
+    ("bf16", 16, 16, 256, 1, False, False, False), ("bf16", 16, 64, 256, 4, True, False, False),
+    ("bf16", 64, 128, 256, 1, True, False, False), ("bf16", 16, 128, 128, 1, False, True, False),
+    ("bf16", 64, 64, 128, 2, True, True, False), ("bf16", 16, 16, 32, 1, False, True, False),
+    ("bf16", 64, 128, 128, 8, False, True, False), ("bf16", 16, 128, 128, 4, False, True, True)])
+def test_fp8_gemv_kernel_compiles(dtype, block_m, block_n, block_k, split, bias, a_fp8, pdl):
+    """W8A16 tiles, and the w8a8 GEMV's (one 128-channel group per K step, or the 32-wide minimum); with PDL."""
     from glm5_kernels.fp8_linear import _fp8_gemv_kernel
     _compile(_fp8_gemv_kernel, dict(x_ptr=dtype, w_ptr="fp8e4nv", s_ptr="fp32", y_ptr=dtype if split == 1 else "fp32",
                                     b_ptr=dtype if bias else "fp32"),
              dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, SB=128, HAS_BIAS=bias,
-                  EVEN_K=True, IEEE=dtype == "fp32", A_FP8=a_fp8, FP8_MAX_=448.0, MIN_AMAX_=1e-12, FP8_ACC=32),
-             num_stages=4)
+                  EVEN_K=True, IEEE=dtype == "fp32", A_FP8=a_fp8, FP8_MAX_=448.0, MIN_AMAX_=1e-12, FP8_ACC=32,
+                  USE_PDL=pdl), num_stages=4)
 
 
-@pytest.mark.parametrize("block_m,block_n,block_k,split", [(1, 16, 512, 1), (1, 8, 512, 2), (4, 16, 256, 1)])
-def test_fp8_gemv_fma_kernel_compiles(block_m, block_n, block_k, split):
-    """The FMA GEMV's table tiles at M = 1 and a 4-row one (its 3D accumulator must stay in registers)."""
+@pytest.mark.parametrize("block_m,block_n,block_k,split,pdl", [(1, 16, 512, 1, False), (1, 8, 512, 2, False),
+                                                             (4, 16, 256, 1, False), (1, 8, 1024, 1, True)])
+def test_fp8_gemv_fma_kernel_compiles(block_m, block_n, block_k, split, pdl):
+    """The FMA GEMV's table tiles at M = 1 and a 4-row one (its 3D accumulator must stay in registers); with
+    PDL, its first weight tile loaded before ``griddepcontrol.wait``."""
     from glm5_kernels.fp8_linear import _fp8_gemv_fma_kernel
     _compile(_fp8_gemv_fma_kernel, dict(x_ptr="bf16", w_ptr="fp8e4nv", s_ptr="fp32",
                                         y_ptr="bf16" if split == 1 else "fp32", b_ptr="fp32"),
              dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, SB=128, HAS_BIAS=False,
-                  EVEN_K=True), num_stages=2)
+                  EVEN_K=True, USE_PDL=pdl), num_stages=2)
 
 
 @pytest.mark.parametrize("split,out", [(2, "bf16"), (8, "fp32")])

@@ -24,7 +24,8 @@ def test_sparse_mla_prefill_matches_reference_interpreter():
     entries past a count ignored even when valid, a non-contiguous q_lat and a head-major ``out`` view."""
     _interpret("""
         import torch
-        from glm5_kernels.sparse_mla_prefill import PrefillConfig, sparse_mla_prefill
+        from glm5_kernels.sparse_mla_decode import AttnConfig
+        from glm5_kernels.sparse_mla_prefill import sparse_mla_prefill
         from glm5_kernels.sparse_mla_ref import sparse_mla_prefill_ref
         torch.set_num_threads(1)
         g = torch.Generator().manual_seed(0)
@@ -36,15 +37,15 @@ def test_sparse_mla_prefill_matches_reference_interpreter():
             counts = torch.tensor([1, 5, 37, 20, 16, 17, 33], dtype=torch.int32)
             idx[3, 4] = -1                                                       # a hole inside row 3's prefix
             ref = sparse_mla_prefill_ref(q.double(), lat.double(), idx, counts, 0.3)
-            for cfg in (PrefillConfig(block_h=16, block_k=16, num_warps=4), PrefillConfig(block_h=4, block_k=8),
-                        PrefillConfig(block_h=16, block_k=8, r_split=2)):
+            for cfg in (AttnConfig(block_h=16, block_k=16, num_warps=4), AttnConfig(block_h=4, block_k=8),
+                        AttnConfig(block_h=8, block_k=32, num_stages=1)):
                 got = sparse_mla_prefill(q, lat, idx, counts, 0.3, config=cfg)
                 assert got.dtype == dtype and got.shape == (n, h, r)
                 err = ((got.double() - ref).norm() / ref.norm()).item()
                 assert err < tol, (dtype, cfg, err)
             out = torch.empty(h, n, r, dtype=dtype)
             got = sparse_mla_prefill(q, lat, idx, counts, 0.3, out=out.transpose(0, 1),
-                                     config=PrefillConfig(block_h=16, block_k=16, num_warps=4))
+                                     config=AttnConfig(block_h=16, block_k=16, num_warps=4))
             assert ((out.transpose(0, 1).double() - ref).norm() / ref.norm()).item() < tol
             # row 0 (count 1) is exactly its one latent row
             torch.testing.assert_close(got[0].double(), lat[idx[0, 0].long()].double().expand(h, r), rtol=tol, atol=tol)

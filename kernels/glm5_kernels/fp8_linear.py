@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from glm5_kernels.fp8_ref import BLOCK, FP8_DTYPE, FP8_MAX, MIN_AMAX
+from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -69,27 +70,30 @@ W8A8_SPLIT_MAX_M = 256
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _k_tile(x_base, w_base, s_base, kk, m_ok, K, SB: tl.constexpr, EVEN_K: tl.constexpr, W_ROWS_K: tl.constexpr):
-    """One K tile of a GEMV strip: the activation rows ``[BLOCK_M, BLOCK_K]``, the e4m3 weight tile
-    (``[BLOCK_K, BLOCK_N]`` when ``W_ROWS_K``, the tl.dot operand layout, else ``[BLOCK_N, BLOCK_K]``) and the
-    strip's weight scale of each column ``[BLOCK_K]``; zeros past K."""
+def _x_tile(x_base, kk, m_ok, K, EVEN_K: tl.constexpr):
+    """The activation rows ``[BLOCK_M, BLOCK_K]`` of one K tile of a GEMV strip; zeros past K."""
+    if EVEN_K:
+        return tl.load(x_base + kk[None, :], mask=m_ok[:, None], other=0.0)
+    return tl.load(x_base + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _w_tile(w_base, s_base, kk, K, SB: tl.constexpr, EVEN_K: tl.constexpr, W_ROWS_K: tl.constexpr):
+    """The e4m3 weight tile of one K tile of a GEMV strip (``[BLOCK_K, BLOCK_N]`` when ``W_ROWS_K``, the tl.dot
+    operand layout, else ``[BLOCK_N, BLOCK_K]``) and the strip's weight scale of each column ``[BLOCK_K]``;
+    zeros past K (``EVEN_K`` = no mask: every tile is inside K)."""
     if W_ROWS_K:
         w_ptrs = w_base + kk[:, None]
     else:
         w_ptrs = w_base + kk[None, :]
     if EVEN_K:
-        a = tl.load(x_base + kk[None, :], mask=m_ok[:, None], other=0.0)
-        b = tl.load(w_ptrs)
-        sc = tl.load(s_base + kk // SB)
+        return tl.load(w_ptrs), tl.load(s_base + kk // SB)
+    k_ok = kk < K
+    if W_ROWS_K:
+        b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
     else:
-        k_ok = kk < K
-        a = tl.load(x_base + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if W_ROWS_K:
-            b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        else:
-            b = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-        sc = tl.load(s_base + kk // SB, mask=k_ok, other=0.0)
-    return a, b, sc
+        b = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+    return b, tl.load(s_base + kk // SB, mask=k_ok, other=0.0)
 
 
 @triton.jit
@@ -106,6 +110,22 @@ def quantize_rows(a, FP8_MAX_: tl.constexpr, MIN_AMAX_: tl.constexpr):
     return q.to(tl.float8e4nv), s
 
 
+@triton.jit
+def _gemv_dot_step(acc, a, b, sc, s_base, kt, x_ptr, SB: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                   A_FP8: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_AMAX_: tl.constexpr, FP8_ACC: tl.constexpr):
+    """``acc`` plus one K tile's product in :func:`_fp8_gemv_kernel`: the weight scales folded into the
+    activation and the e4m3 tile widened to its dtype, or (``A_FP8``) the activation quantised per row and
+    e4m3 x e4m3 scaled by ``s_x[m] · s_w``."""
+    if A_FP8:
+        a8, sa = quantize_rows(a, FP8_MAX_, MIN_AMAX_)
+        sw = tl.load(s_base + (kt * BLOCK_K) // SB)
+        return acc + tl.dot(a8, b, max_num_imprecise_acc=FP8_ACC) * (sa[:, None] * sw)
+    a = (a.to(tl.float32) * sc[None, :]).to(x_ptr.dtype.element_ty)
+    if IEEE:
+        return tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b.to(x_ptr.dtype.element_ty), acc)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr,
                      M, N, K,
@@ -114,7 +134,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                      SB: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                      A_FP8: tl.constexpr = False, FP8_MAX_: tl.constexpr = 448.0, MIN_AMAX_: tl.constexpr = 1e-12,
-                     FP8_ACC: tl.constexpr = 32):
+                     FP8_ACC: tl.constexpr = 32, USE_PDL: tl.constexpr = False):
     """y[m, g, n] (+ split k's partial) = Σ_k x[m, g, k] · w[g, n, k] · s[g, n // SB, k // SB] (+ bias[n]).
 
     Grid: (cdiv(M, BLOCK_M) · cdiv(N, BLOCK_N), SPLIT_K, G). BLOCK_N divides SB, so a strip has one scale row.
@@ -137,19 +157,21 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr,
     s_base = s_ptr + g * stride_sg + n_blk * stride_sn
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
+    kt0 = pid_k * per_split
+    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+    # the strip's first weight tile is read before the PDL wait (no kernel writes weights), so it streams in
+    # while the preceding kernel finishes; masked: the last split may be empty
+    b, sc = _w_tile(w_base, s_base, kt0 * BLOCK_K + offs_k, K, SB, False, True)
+    pdl_enter(USE_PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kt in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, k_tiles)):
-        a, b, sc = _k_tile(x_base, w_base, s_base, kt * BLOCK_K + offs_k, m_ok, K, SB, EVEN_K, True)
-        if A_FP8:
-            a8, sa = quantize_rows(a, FP8_MAX_, MIN_AMAX_)
-            sw = tl.load(s_base + (kt * BLOCK_K) // SB)
-            acc += tl.dot(a8, b, max_num_imprecise_acc=FP8_ACC) * (sa[:, None] * sw)
-        else:
-            a = (a.to(tl.float32) * sc[None, :]).to(x_ptr.dtype.element_ty)
-            if IEEE:
-                acc = tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b.to(x_ptr.dtype.element_ty), acc)
+    if kt0 < kt1:
+        acc = _gemv_dot_step(acc, _x_tile(x_base, kt0 * BLOCK_K + offs_k, m_ok, K, EVEN_K), b, sc, s_base, kt0,
+                             x_ptr, SB, BLOCK_K, IEEE, A_FP8, FP8_MAX_, MIN_AMAX_, FP8_ACC)
+    for kt in range(kt0 + 1, kt1):
+        kk = kt * BLOCK_K + offs_k
+        b, sc = _w_tile(w_base, s_base, kk, K, SB, EVEN_K, True)
+        acc = _gemv_dot_step(acc, _x_tile(x_base, kk, m_ok, K, EVEN_K), b, sc, s_base, kt, x_ptr, SB, BLOCK_K,
+                             IEEE, A_FP8, FP8_MAX_, MIN_AMAX_, FP8_ACC)
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -161,7 +183,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr,
 def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr, M, N, K,
                          stride_xm, stride_wn, stride_sn, stride_yk, stride_ym,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SPLIT_K: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
+                         SPLIT_K: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
     """y[m, n] (+ split k's partial) = sum_k x[m, k] * s[n // SB, k // SB] * w[n, k] (+ bias[n]), in fp32 FMAs
     on the CUDA cores: the e4m3 tile is widened to fp32 in registers and never goes through tl.dot.
     Grid (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)); BLOCK_N divides SB (one scale row per strip)."""
@@ -179,12 +202,20 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr, M, N, K,
     s_base = s_ptr + n_blk * stride_sn
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
+    kt0 = pid_k * per_split
+    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+    w, sc = _w_tile(w_base, s_base, kt0 * BLOCK_K + offs_k, K, SB, False, False)   # before the wait, as above
+    pdl_enter(USE_PDL)
     # products accumulate elementwise over the K tiles and are reduced across K once, after the loop: the
     # loop body is loads and FMAs only (a reduction per tile costs a cross-warp exchange per tile)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for kt in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, k_tiles)):
-        x, w, sc = _k_tile(x_base, w_base, s_base, kt * BLOCK_K + offs_k, m_ok, K, SB, EVEN_K, False)
-        xs = x.to(tl.float32) * sc[None, :]
+    if kt0 < kt1:
+        xs = _x_tile(x_base, kt0 * BLOCK_K + offs_k, m_ok, K, EVEN_K).to(tl.float32) * sc[None, :]
+        acc3 += w.to(tl.float32)[None, :, :] * xs[:, None, :]
+    for kt in range(kt0 + 1, kt1):
+        kk = kt * BLOCK_K + offs_k
+        w, sc = _w_tile(w_base, s_base, kk, K, SB, EVEN_K, False)
+        xs = _x_tile(x_base, kk, m_ok, K, EVEN_K).to(tl.float32) * sc[None, :]
         acc3 += w.to(tl.float32)[None, :, :] * xs[:, None, :]
     acc = tl.sum(acc3, axis=2)
     if HAS_BIAS:
@@ -195,10 +226,11 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr, M, N, K,
 
 
 @triton.jit(do_not_specialize=["R"])
-def _split_sum_kernel(p_ptr, y_ptr, R, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _split_sum_kernel(p_ptr, y_ptr, R, SPLIT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     """y[r] = Σ_s p[s, r] over a K split's fp32 partials, in a fixed order, cast to y's dtype: the second step
     of a split GEMV in one launch (``p.sum(0).to(dtype)`` is a reduction and a cast, two launches and a
     round trip of the sum through memory). Grid cdiv(R, BLOCK)."""
+    pdl_enter(USE_PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < R
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -209,8 +241,10 @@ def _split_sum_kernel(p_ptr, y_ptr, R, SPLIT: tl.constexpr, BLOCK: tl.constexpr)
 
 @triton.jit(do_not_specialize=["M"])
 def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sk,
-                        GROUP: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_AMAX_: tl.constexpr):
+                        GROUP: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_AMAX_: tl.constexpr,
+                        USE_PDL: tl.constexpr = False):
     """Per (token, 128-channel group): s = max(|x|) / 448, q = e4m3(x / s). Grid (M, cdiv(K, GROUP))."""
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1)
     offs = grp * GROUP + tl.arange(0, GROUP)
@@ -229,10 +263,11 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_
 def _w8a8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, M, N, K,
                       stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_ck, stride_cm,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr = 1):
+                      HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
     """c = Σ over 128-wide K blocks of (a8 · b8ᵀ) · a_scale[m, kb] · b_scale[n // 128, kb] (+ bias).
     BLOCK_K = 128 (one scale per K step); BLOCK_N divides 128 (one b scale per tile). Grid (tiles, SPLIT_K):
     with a split, program (t, j) writes the fp32 partial sum of its share of the K blocks to ``c[j]``."""
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -416,7 +451,8 @@ def split_sum(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     r = y.numel()
     if r:
         block = 1024
-        _split_sum_kernel[(triton.cdiv(r, block),)](partials, y, r, SPLIT=partials.shape[0], BLOCK=block, num_warps=4)
+        _split_sum_kernel[(triton.cdiv(r, block),)](partials, y, r, SPLIT=partials.shape[0], BLOCK=block, num_warps=4,
+                                                    **pdl_kwargs(y.device))
     return y
 
 
@@ -437,7 +473,7 @@ def _gemv(x3: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor
         y.stride(-3), y.stride(-2),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SB=BLOCK, HAS_BIAS=bias is not None,
         EVEN_K=k % bk == 0, IEEE=x3.dtype == torch.float32, A_FP8=a_fp8, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX,
-        FP8_ACC=fp8_dot_acc(bk), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        FP8_ACC=fp8_dot_acc(bk), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(x3.device))
     return y if split == 1 else split_sum(y, out_dtype)
 
 
@@ -452,7 +488,8 @@ def _gemv_fma(x2: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Te
     _fp8_gemv_fma_kernel[grid](
         x2, w, s, y, bias if bias is not None else s, m, n, k, x2.stride(0), w.stride(0), s.stride(0),
         0 if split == 1 else y.stride(0), y.stride(-2), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SB=BLOCK,
-        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_kwargs(x2.device))
     return y if split == 1 else split_sum(y, out_dtype)
 
 
@@ -498,7 +535,8 @@ def per_token_group_quant_fp8(x: torch.Tensor, group: int = BLOCK, column_major:
         s[m:].fill_(MIN_AMAX / FP8_MAX)
     if m:
         _group_quant_kernel[(m, kb)](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-                                     GROUP=group, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX, num_warps=1)
+                                     GROUP=group, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX, num_warps=1,
+                                     **pdl_kwargs(x.device))
     return q, s
 
 
@@ -518,7 +556,7 @@ def w8a8_gemm(x8: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.
                             0 if split == 1 else c.stride(0), c.stride(-2),
                             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK, GROUP_M=cfg["GROUP_M"],
                             HAS_BIAS=bias is not None, SPLIT_K=split, num_warps=cfg["num_warps"],
-                            num_stages=cfg["num_stages"])
+                            num_stages=cfg["num_stages"], **pdl_kwargs(x8.device))
     return c if split == 1 else split_sum(c, out_dtype)
 
 

@@ -63,6 +63,7 @@ import triton.language as tl
 
 from glm5_kernels.fp8_linear import fp8_dot_acc, group_tile_k, quantize_rows
 from glm5_kernels.fp8_ref import FP8_MAX, MIN_AMAX
+from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -196,10 +197,12 @@ def _moe_gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ids_ptr, block_expe
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                         W_FP8: tl.constexpr = False, SB: tl.constexpr = 128, A_FP8: tl.constexpr = False,
-                        FP8_MAX_: tl.constexpr = 448.0, MIN_AMAX_: tl.constexpr = 1e-12, FP8_ACC: tl.constexpr = 32):
+                        FP8_MAX_: tl.constexpr = 448.0, MIN_AMAX_: tl.constexpr = 1e-12, FP8_ACC: tl.constexpr = 32,
+                        USE_PDL: tl.constexpr = False):
     """h[pair, n] = clamped_swiglu(x[token] · W_gate[e, n], x[token] · W_up[e, n]); N = I, K = H.
     ``W_FP8``: the weights are e4m3 with block scales ``s[e, n // SB, k // SB]`` (BLOCK_N divides SB).
     ``A_FP8`` (with ``W_FP8``): the x tile is quantised per row and K tile (BLOCK_K = SB, or all of a smaller K)."""
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     pid_m, pid_n = _block_coords(pid, num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -268,9 +271,11 @@ def _moe_down_kernel(h_ptr, wd_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr, block_exp
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                      W_FP8: tl.constexpr = False, SB: tl.constexpr = 128, A_FP8: tl.constexpr = False,
-                     FP8_MAX_: tl.constexpr = 448.0, MIN_AMAX_: tl.constexpr = 1e-12, FP8_ACC: tl.constexpr = 32):
+                     FP8_MAX_: tl.constexpr = 448.0, MIN_AMAX_: tl.constexpr = 1e-12, FP8_ACC: tl.constexpr = 32,
+                     USE_PDL: tl.constexpr = False):
     """y[pair, n] = w[pair] · (h[pair] · W_down[e, n]); N = H, K = I (``W_FP8``, ``A_FP8`` as in the gate/up
     kernel: with ``A_FP8`` the h tile is quantised)."""
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     pid_m, pid_n = _block_coords(pid, num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -514,13 +519,15 @@ def moe_gate_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, routi
         TOP_K=top_k, BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=hidden % bk == 0, IEEE=x.dtype == torch.float32, W_FP8=scales is not None, SB=FP8_BLOCK,
         A_FP8=a_fp8, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX,
-        FP8_ACC=fp8_dot_acc(bk), num_warps=cfg["num_warps"], num_stages=stages)
+        FP8_ACC=fp8_dot_acc(bk), num_warps=cfg["num_warps"], num_stages=stages, **pdl_kwargs(x.device))
     return h
 
 
 @triton.jit
-def _moe_sum_kernel(y_ptr, add_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_ADD: tl.constexpr):
+def _moe_sum_kernel(y_ptr, add_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_ADD: tl.constexpr,
+                    USE_PDL: tl.constexpr = False):
     """out[t, h] = Σ_k y[t, k, h] (fp32, slot order, rounded to out's dtype) [+ add[t, h], rounded again]."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m = offs < H
@@ -551,7 +558,8 @@ def moe_sum(y: torch.Tensor, top_k: int, add: torch.Tensor | None = None, block_
         return out
     block_h = min(block_h, triton.next_power_of_2(h))
     _moe_sum_kernel[(t, triton.cdiv(h, block_h))](y, add if add is not None else y, out, h, TOP_K=top_k,
-                                                   BLOCK_H=block_h, HAS_ADD=add is not None, num_warps=4)
+                                                   BLOCK_H=block_h, HAS_ADD=add is not None, num_warps=4,
+                                                   **pdl_kwargs(y.device))
     return out
 
 
@@ -573,7 +581,7 @@ def moe_down(h: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, 
         BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=inter % bk == 0, IEEE=h.dtype == torch.float32, W_FP8=scale is not None, SB=FP8_BLOCK,
         A_FP8=a_fp8, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX,
-        FP8_ACC=fp8_dot_acc(bk), num_warps=cfg["num_warps"], num_stages=stages)
+        FP8_ACC=fp8_dot_acc(bk), num_warps=cfg["num_warps"], num_stages=stages, **pdl_kwargs(h.device))
     return y
 
 

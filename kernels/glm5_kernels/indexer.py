@@ -28,6 +28,7 @@ import triton.language as tl
 from glm5_kernels.fp8_index_ref import quantize_e4m3
 from glm5_kernels.kpool import interpreting
 from glm5_kernels.kpool_ref import hadamard_matrix
+from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
 
 # ---------------------------------------------------------------------------------------------- scores
@@ -37,7 +38,8 @@ def _index_scores_kernel(q_ptr, w_ptr, keys_ptr, kscale_ptr, bt_ptr, row_seq_ptr
                          stride_qn, stride_qh, stride_wn, stride_key, stride_bt, stride_on,
                          HI: tl.constexpr, HI_PAD: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
                          TILES: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
-                         UPCAST: tl.constexpr):
+                         UPCAST: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     n = tl.program_id(0)
     chunk = tl.program_id(1)
     nc = tl.load(nc_ptr + n).to(tl.int32)
@@ -128,7 +130,7 @@ def indexer_scores(q: torch.Tensor, head_w: torch.Tensor, pool_keys: torch.Tenso
         softmax_scale, max_pools, block_tables.shape[1], ppb,
         q.stride(0), q.stride(1), w.stride(0), pool_keys.stride(0), block_tables.stride(0), out.stride(0),
         HI=hi, HI_PAD=max(16, triton.next_power_of_2(hi)), D=d, BLOCK_P=block_p, TILES=tiles, FP8=fp8,
-        IEEE=q.dtype == torch.float32, UPCAST=interpreting(), num_warps=4)
+        IEEE=q.dtype == torch.float32, UPCAST=interpreting(), num_warps=4, **pdl_kwargs(q.device))
     return out
 
 
@@ -144,12 +146,14 @@ def _order_bits(s):
 @triton.jit
 def _select_slots_kernel(scores_ptr, nc_ptr, pos_ptr, bt_ptr, row_seq_ptr, out_ptr, cnt_ptr,
                          max_pools, n_select, width, MB, stride_sn, stride_bt, stride_on,
-                         KPOOL: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr, HAS_CNT: tl.constexpr):
+                         KPOOL: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr, HAS_CNT: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
     """One program per row. Rows with more than ``n_select`` visible pools find the ``n_select``-th largest
     score key by a 4-pass 8-bit radix select over their own ``nc`` pools (the -inf padding past ``nc`` is
     never read, so the cost follows the context, not the block-table width), then take every pool above
     it and the lowest ids among its ties — the stable sort's set. A compaction pass writes the chosen
     pools' token slots in pool order, then the tail tokens and ``-1`` padding."""
+    pdl_enter(USE_PDL)
     n = tl.program_id(0).to(tl.int64)
     nc = tl.minimum(tl.load(nc_ptr + n).to(tl.int32), max_pools)
     pos = tl.load(pos_ptr + n).to(tl.int32)
@@ -240,7 +244,8 @@ def select_token_slots(scores: torch.Tensor, n_complete: torch.Tensor, positions
         scores, n_complete, positions, block_tables, row_seq, out, counts_out if counts_out is not None else out,
         max_pools, n_select, width,
         block_tables.shape[1], scores.stride(0), block_tables.stride(0), out.stride(0),
-        KPOOL=kpool, BS=block_size, BLOCK=block, HAS_CNT=counts_out is not None, num_warps=4)
+        KPOOL=kpool, BS=block_size, BLOCK=block, HAS_CNT=counts_out is not None, num_warps=4,
+        **pdl_kwargs(scores.device))
     return out
 
 

@@ -21,13 +21,15 @@ from triton.language.extra import libdevice
 
 from glm5_kernels.kpool import interpreting
 from glm5_kernels.norms import _round_to
+from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
 
 @triton.jit
 def _conv_step_kernel(mixed_ptr, state_ptr, slot_ptr, w_ptr, out_ptr, esrc_ptr, edst_ptr,
                       C, D, E, stride_m, stride_ss, stride_sk, stride_w, stride_os, stride_on, stride_es, stride_ed,
                       K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, HAS_EXTRA: tl.constexpr,
-                      PRECISE: tl.constexpr, BF16: tl.constexpr):
+                      PRECISE: tl.constexpr, BF16: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     n = tl.program_id(0).to(tl.int64)
     cb = tl.program_id(1)
     cols = cb * BLOCK + tl.arange(0, BLOCK)
@@ -91,7 +93,7 @@ def kda_conv_step(mixed: torch.Tensor, conv_state: torch.Tensor, slots: torch.Te
         conv_state.stride(1), conv_w.stride(0), out.stride(0), out.stride(1),
         extra.stride(0) if extra is not None else 0, extra_out.stride(0) if extra_out is not None else 0,
         K=k1 + 1, BLOCK=block, BLOCK_E=triton.next_power_of_2(e), HAS_EXTRA=extra is not None,
-        PRECISE=not interpreting(), BF16=mixed.dtype == torch.bfloat16, num_warps=4)
+        PRECISE=not interpreting(), BF16=mixed.dtype == torch.bfloat16, num_warps=4, **pdl_kwargs(mixed.device))
     return out, extra_out
 
 

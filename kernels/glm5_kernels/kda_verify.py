@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
 
 @triton.jit
@@ -21,7 +22,8 @@ def _kda_spec_kernel(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, a_log_ptr, dt_ptr, state
                      stride_qn, stride_qt, stride_fn, stride_ft, stride_bn, stride_bt, stride_on, stride_ot,
                      stride_ss,
                      H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BOUNDED: tl.constexpr,
-                     WRITE_OUT: tl.constexpr, COMMIT: tl.constexpr):
+                     WRITE_OUT: tl.constexpr, COMMIT: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -80,7 +82,7 @@ def _launch(q, k, v, f, b, state_pool, slots, n_valid, a_log, dt_bias, lower_bou
         q.stride(0), q.stride(1), f.stride(0), f.stride(1), b.stride(0), b.stride(1),
         out.stride(0) if out is not None else 0, out.stride(1) if out is not None else 0, state_pool.stride(0),
         H=h, D=d, BV=bv, BOUNDED=lower_bound is not None, WRITE_OUT=out is not None, COMMIT=commit,
-        num_warps=4 if d >= 64 else 1)
+        num_warps=4 if d >= 64 else 1, **pdl_kwargs(q.device))
 
 
 def kda_verify_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,

@@ -34,6 +34,7 @@ from triton.language.extra import libdevice
 
 from glm5_kernels.fp8_index_ref import E4M3_MAX, MIN_ABSMAX
 from glm5_kernels.kpool_ref import hadamard_matrix
+from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
 _E4M3 = tl.constexpr(E4M3_MAX)
 _MIN_ABSMAX = tl.constexpr(MIN_ABSMAX)
@@ -128,7 +129,8 @@ def _store_pool_row(pooled, row, keys_ptr, scales_ptr, had_ptr, stride_key, D: t
 def _append_pool_kernel(raw_ptr, pos_ptr, slot_ptr, bt_ptr, tail_ptr, ape_ptr, keys_ptr, scales_ptr, had_ptr,
                         N, stride_raw, stride_bt, stride_ts, stride_tj, stride_key, block_size, ppb,
                         KP: tl.constexpr, D: tl.constexpr, BF16: tl.constexpr, FP8: tl.constexpr,
-                        PRECISE: tl.constexpr):
+                        PRECISE: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     i = tl.program_id(0)
     pos = tl.load(pos_ptr + i)
     if (pos + 1) % KP == 0:
@@ -156,7 +158,8 @@ def _append_pool_kernel(raw_ptr, pos_ptr, slot_ptr, bt_ptr, tail_ptr, ape_ptr, k
 
 @triton.jit
 def _append_tail_kernel(raw_ptr, pos_ptr, slot_ptr, tail_ptr, N, stride_raw, stride_ts, stride_tj,
-                        KP: tl.constexpr, D2: tl.constexpr):
+                        KP: tl.constexpr, D2: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     i = tl.program_id(0)
     pos = tl.load(pos_ptr + i)
     slot = tl.load(slot_ptr + i)
@@ -173,7 +176,8 @@ def _append_tail_kernel(raw_ptr, pos_ptr, slot_ptr, tail_ptr, N, stride_raw, str
 @triton.jit
 def _compress_kernel(mem_ptr, ape_ptr, rows_ptr, keys_ptr, scales_ptr, had_ptr, stride_mp, stride_mj, stride_key,
                      KP: tl.constexpr, D: tl.constexpr, BF16: tl.constexpr, FP8: tl.constexpr,
-                     PRECISE: tl.constexpr):
+                     PRECISE: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     p = tl.program_id(0)
     jj = tl.arange(0, KP)
     dd = tl.arange(0, D)
@@ -224,7 +228,7 @@ def kpool_compress_write(members: torch.Tensor, ape: torch.Tensor, out_rows: tor
     _compress_kernel[(p,)](members, ape.contiguous(), out_rows, pool_keys, pool_scales if fp8 else ape, had,
                            members.stride(0), members.stride(1), pool_keys.stride(0),
                            KP=kpool, D=d, BF16=members.dtype == torch.bfloat16, FP8=fp8, PRECISE=not interpreting(),
-                           num_warps=8 if fp8 and d >= 128 else 4)
+                           num_warps=8 if fp8 and d >= 128 else 4, **pdl_kwargs(members.device))
 
 
 def kpool_decode_append(raw: torch.Tensor, positions: torch.Tensor, state_slots: torch.Tensor,
@@ -257,9 +261,9 @@ def kpool_decode_append(raw: torch.Tensor, positions: torch.Tensor, state_slots:
                               pool_scales if fp8 else ape, had, n, raw.stride(0), block_tables.stride(0),
                               tail.stride(0), tail.stride(1), pool_keys.stride(0), block_size, block_size // kpool,
                               KP=kpool, D=d, BF16=raw.dtype == torch.bfloat16, FP8=fp8, PRECISE=not interpreting(),
-                              num_warps=8 if fp8 and d >= 128 else 4)
+                              num_warps=8 if fp8 and d >= 128 else 4, **pdl_kwargs(raw.device))
     _append_tail_kernel[(n,)](raw, positions, state_slots, tail, n, raw.stride(0), tail.stride(0), tail.stride(1),
-                              KP=kpool, D2=d2, num_warps=1 if d2 <= 128 else 2)
+                              KP=kpool, D2=d2, num_warps=1 if d2 <= 128 else 2, **pdl_kwargs(raw.device))
 
 
 __all__ = ["kpool_decode_append", "kpool_compress_write", "interpreting"]

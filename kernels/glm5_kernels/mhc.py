@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from glm5_kernels.mhc_ref import mhc_post_ref, mhc_pre_ref
+from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +45,10 @@ _MAX_BLOCK_H = 8192  # the pre kernel keeps a whole collapsed row in registers
 @triton.jit
 def _mhc_proj_kernel(x_ptr, fn_ptr, part_ptr, T, K, k_per_split, stride_xt,
                      MIX: tl.constexpr, MIX_PAD: tl.constexpr, SPLITS: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
     """part[t, s, c] = Σ_{k in split s} x[t, k]·fn[c, k] for c < MIX; part[t, s, MIX] = Σ x[t, k]²."""
+    pdl_enter(USE_PDL)
     pid_t = tl.program_id(0)
     sp = tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -74,7 +77,9 @@ def _mhc_proj_kernel(x_ptr, fn_ptr, part_ptr, T, K, k_per_split, stride_xt,
 def _mhc_pre_row_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, w_ptr, out_ptr, post_ptr, comb_ptr,
                         H, K, stride_xt, stride_ot, eps, norm_eps, block_eps, iters,
                         N: tl.constexpr, MIX: tl.constexpr, MIX_PAD: tl.constexpr, SPLITS: tl.constexpr,
-                        SPLITS_P2: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr):
+                        SPLITS_P2: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
+                        USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, MIX_PAD)
     sps = tl.arange(0, SPLITS_P2)
@@ -125,7 +130,8 @@ def _mhc_pre_row_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, w_ptr, out_ptr, po
 
 @triton.jit
 def _mhc_post_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, H, stride_yt, stride_xt, stride_ot,
-                     N: tl.constexpr, BLOCK_H: tl.constexpr):
+                     N: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
@@ -222,12 +228,13 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         MIX=mix, MIX_PAD=mix_pad, SPLITS=splits, BLOCK_T=block_t, BLOCK_K=block_k,
         # 16-bit streams are exact in tf32, so tf32x3 (fn split into two tf32 halves) keeps fp32 accuracy on
         # tensor cores; the FMA "ieee" dot made this projection 15 % of an 8K prefill. fp32 streams stay ieee.
-        PRECISION="ieee" if streams.dtype == torch.float32 else "tf32x3", num_warps=4)
+        PRECISION="ieee" if streams.dtype == torch.float32 else "tf32x3", num_warps=4, **pdl_kwargs(streams.device))
     _mhc_pre_row_kernel[(t,)](
         streams, part, base, scale, block_norm_w if block_norm_w is not None else out, out, post, comb,
         h, k, streams.stride(0), out.stride(0), eps, norm_eps, beps, iters,
         N=n, MIX=mix, MIX_PAD=mix_pad, SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
-        BLOCK_H=block_h, HAS_NORM=block_norm_w is not None, num_warps=8 if block_h >= 2048 else 4)
+        BLOCK_H=block_h, HAS_NORM=block_norm_w is not None, num_warps=8 if block_h >= 2048 else 4,
+        **pdl_kwargs(streams.device))
     return out, post, comb
 
 
@@ -256,7 +263,7 @@ def mhc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
     block_h = min(block_h, triton.next_power_of_2(h))
     _mhc_post_kernel[(t, triton.cdiv(h, block_h))](
         block_out, streams, post, comb, out, h, block_out.stride(0), streams.stride(0), out.stride(0),
-        N=n, BLOCK_H=block_h, num_warps=4)
+        N=n, BLOCK_H=block_h, num_warps=4, **pdl_kwargs(streams.device))
     return out
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
 #: Largest number of (token, slot) pairs the one-program kernel takes (decode batches up to 128 × top-8).
 MAX_PAIRS = 1024
@@ -22,7 +23,8 @@ MAX_PAIRS = 1024
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, total_ptr, scratch_ptr, P, max_rows, n_blocks,
                   E: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr, BM: tl.constexpr,
-                  FILL: tl.constexpr, NB: tl.constexpr):
+                  FILL: tl.constexpr, NB: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     p = tl.arange(0, P_PAD)
     pm = p < P
     e = tl.load(ids_ptr + p, mask=pm, other=E).to(tl.int32)                 # padding pairs sort last
@@ -68,7 +70,8 @@ def moe_align_small(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     scratch = torch.empty(e_pad, dtype=torch.int32, device=dev)
     _align_kernel[(1,)](flat if flat.is_contiguous() else flat.contiguous(), sorted_ids, block_expert, total, scratch,
                         n, max_rows, n_blocks, E=num_experts, E_PAD=e_pad,
-                        P_PAD=max(16, triton.next_power_of_2(n)), BM=block_m, FILL=1024, NB=16, num_warps=4)
+                        P_PAD=max(16, triton.next_power_of_2(n)), BM=block_m, FILL=1024, NB=16, num_warps=4,
+                        **pdl_kwargs(sorted_ids.device))
     return sorted_ids, block_expert, total
 
 

@@ -17,6 +17,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from glm5_kernels.kpool import _rne_bf16, interpreting
+from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
 
 @triton.jit
@@ -47,7 +48,8 @@ def _round_to(x, like_ptr, BF16: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, M, N, inv_n, eps, stride_x, stride_o,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr, X_BF16: tl.constexpr,
-                     O_BF16: tl.constexpr):
+                     O_BF16: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -63,7 +65,9 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, M, N, inv_n, eps, stride_x, stride_o
 
 @triton.jit
 def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, M, inv_d, eps, stride_x, stride_g, stride_o,
-                           D: tl.constexpr, BLOCK_M: tl.constexpr, PRECISE: tl.constexpr, O_BF16: tl.constexpr):
+                           D: tl.constexpr, BLOCK_M: tl.constexpr, PRECISE: tl.constexpr, O_BF16: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, D)
     mask = (rows < M)[:, None]
@@ -97,7 +101,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rms_norm_kernel[(triton.cdiv(m, block_m),)](
             x2, weight, out, m, n, 1.0 / n, eps, x2.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
             PRECISE=not interpreting(), X_BF16=x.dtype == torch.bfloat16, O_BF16=out.dtype == torch.bfloat16,
-            num_warps=8 if block_n >= 4096 else 4)
+            num_warps=8 if block_n >= 4096 else 4, **pdl_kwargs(x2.device))
     return out.view(*x.shape[:-1], n)
 
 
@@ -117,7 +121,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         block_m = max(1, min(64, 4096 // d))
         _gated_rms_norm_kernel[(triton.cdiv(m, block_m),)](
             x2, g2, weight, out, m, 1.0 / d, eps, x2.stride(0), g2.stride(0), out.stride(0), D=d, BLOCK_M=block_m,
-            PRECISE=not interpreting(), O_BF16=out.dtype == torch.bfloat16, num_warps=4)
+            PRECISE=not interpreting(), O_BF16=out.dtype == torch.bfloat16, num_warps=4,
+            **pdl_kwargs(x2.device))
     return out.view(x.shape)
 
 

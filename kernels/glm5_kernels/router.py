@@ -28,6 +28,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from glm5_kernels.kpool import interpreting
+from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
 
 @triton.jit
@@ -102,9 +103,11 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, sem_ptr, wout_ptr, iout_ptr
                    BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, EPI_T: tl.constexpr,
                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, N_GROUP: tl.constexpr, G_PAD: tl.constexpr,
                    TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr,
-                   IEEE: tl.constexpr, UPCAST: tl.constexpr, PRECISE: tl.constexpr, FUSED: tl.constexpr):
+                   IEEE: tl.constexpr, UPCAST: tl.constexpr, PRECISE: tl.constexpr, FUSED: tl.constexpr,
+                   USE_PDL: tl.constexpr = False):
     """Partial logits of one (expert block, K split, token block); with ``FUSED`` the last program of a token
     block to arrive also runs that block's epilogue."""
+    pdl_enter(USE_PDL)
     eb = tl.program_id(0)
     ks = tl.program_id(1)
     tb = tl.program_id(2)
@@ -147,10 +150,11 @@ def _router_select_kernel(part_ptr, bias_ptr, wout_ptr, iout_ptr, T, scaling, st
                           stride_io, E: tl.constexpr, E_PAD: tl.constexpr, SPLITS: tl.constexpr,
                           EPI_T: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, N_GROUP: tl.constexpr,
                           G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, RENORM: tl.constexpr,
-                          PRECISE: tl.constexpr):
+                          PRECISE: tl.constexpr, USE_PDL: tl.constexpr = False):
     """The epilogue as its own launch, ``EPI_T`` rows per program: every token's selection runs in parallel
     (and with few warps its reductions stay inside one warp) instead of one program per token block walking
     its rows in turn."""
+    pdl_enter(USE_PDL)
     _select_rows(part_ptr, bias_ptr, wout_ptr, iout_ptr, tl.program_id(0) * EPI_T, T, scaling, stride_ps,
                  stride_pt, stride_wo, stride_io, E, E_PAD, SPLITS, EPI_T, TOP_K, K_PAD, N_GROUP, G_PAD,
                  TOPK_GROUP, RENORM, PRECISE)
@@ -243,11 +247,11 @@ def router_topk(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k
         x, gate_w, bias, part, sem, weights, ids, t, hidden, k_per_split, float(scaling),
         x.stride(0), gate_w.stride(0), part.stride(0), part.stride(1), weights.stride(0), ids.stride(0),
         IEEE=x.dtype == torch.float32, UPCAST=interpreting() and x.dtype != torch.float32, FUSED=epi["fused"],
-        num_warps=num_warps, **select, **shape)
+        num_warps=num_warps, **select, **shape, **pdl_kwargs(x.device))
     if not epi["fused"]:
         _router_select_kernel[(triton.cdiv(t, epi["EPI_T"]),)](
             part, bias, weights, ids, t, float(scaling), part.stride(0), part.stride(1), weights.stride(0),
-            ids.stride(0), num_warps=epi["epi_warps"], **select)
+            ids.stride(0), num_warps=epi["epi_warps"], **select, **pdl_kwargs(part.device))
     if logits_out is not None:   # the kernel's sum: the splits added in order
         acc = part[0].clone()
         for i in range(1, splits):

@@ -16,11 +16,14 @@ from triton.language.extra import libdevice
 
 from glm5_kernels.kpool import interpreting
 from glm5_kernels.norms import _round_to
+from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
 
 @triton.jit
 def _clamped_swiglu_kernel(g_ptr, u_ptr, out_ptr, N, limit, stride_g, stride_u, stride_o,
-                           BLOCK: tl.constexpr, PRECISE: tl.constexpr, BF16: tl.constexpr):
+                           BLOCK: tl.constexpr, PRECISE: tl.constexpr, BF16: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -49,7 +52,8 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) ->
         block = min(1024, triton.next_power_of_2(n))
         _clamped_swiglu_kernel[(g2.shape[0], triton.cdiv(n, block))](
             g2, u2, out, n, float("inf") if limit is None else float(limit), g2.stride(0), u2.stride(0),
-            out.stride(0), BLOCK=block, PRECISE=not interpreting(), BF16=gate.dtype == torch.bfloat16, num_warps=4)
+            out.stride(0), BLOCK=block, PRECISE=not interpreting(), BF16=gate.dtype == torch.bfloat16, num_warps=4,
+            **pdl_kwargs(g2.device))
     return out.view(gate.shape)
 
 

@@ -197,7 +197,20 @@ def decode_attn_backend(device: torch.device, dtype: torch.dtype | None = None, 
             raise BackendUnavailable(f"decode_attn_backend='flashinfer' cannot run: {err}. Install flashinfer-python "
                                      "(docs/gpu.md, FlashInfer) or set GLM5_DECODE_ATTN_BACKEND=triton|torch")
         return "flashinfer"
+    err = _sparse_width_error(latent_width)
+    if err is not None:
+        if want == "triton":
+            raise BackendUnavailable(f"decode_attn_backend='triton' cannot run: {err}; set "
+                                     "GLM5_DECODE_ATTN_BACKEND=torch")
+        return "torch"
     return _triton_or_torch("decode_attn", DECODE_ATTN_CHOICES, device)  # any dtype: fp32 uses IEEE products
+
+
+def _sparse_width_error(latent_width: int | None) -> str | None:
+    """Why the sparse MLA kernels (decode and prefill) cannot take this latent width, or None."""
+    if latent_width is not None and (latent_width < 32 or latent_width & (latent_width - 1)):
+        return f"kv_lora_rank {latent_width} (the sparse MLA kernels take a power of two >= 32)"
+    return None
 
 
 TRITON_DTYPES = (torch.bfloat16, torch.float32)  # what the index / MoE / mHC kernels are written and tested for
@@ -289,7 +302,7 @@ def attn_backend(device: torch.device, dtype: torch.dtype | None = None, latent_
 
     ``auto`` on CUDA: the sparse Triton kernel for bf16 (only the selected (query, key) pairs, no host sync),
     SDPA for fp32 (expanded K/V as transformers computes them; the fp32 oracle mode), the torch reference on
-    CPU. The kernel needs a power-of-two ``latent_width`` (kv_lora_rank)."""
+    CPU. The kernel needs a power-of-two ``latent_width`` (kv_lora_rank) of at least 32."""
     want = _requested("attn", ATTN_CHOICES)
     if want == "torch":
         return "torch"
@@ -298,9 +311,7 @@ def attn_backend(device: torch.device, dtype: torch.dtype | None = None, latent_
             raise BackendUnavailable("attn_backend='sdpa' is the CUDA prefill path; on CPU use "
                                      "GLM5_ATTN_BACKEND=torch or auto")
         return "sdpa"
-    err = None
-    if latent_width is not None and (latent_width < 16 or latent_width & (latent_width - 1)):
-        err = f"kv_lora_rank {latent_width} (the sparse prefill kernel takes a power of two >= 16)"
+    err = _sparse_width_error(latent_width)
     if want == "triton":
         if err is not None:
             raise BackendUnavailable(f"attn_backend='triton' cannot run: {err}; set GLM5_ATTN_BACKEND=sdpa|torch")
