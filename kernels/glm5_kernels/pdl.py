@@ -16,8 +16,8 @@ launcher passes :func:`pdl_kwargs`, which sets that constexpr and the launch fla
 It is opt-in: ``GLM5_PDL=1`` turns it on (on GPUs of compute capability >= 9.0, never under the Triton
 interpreter). End to end the measurements disagree: on one H200 lease a b1 bf16 decode step took 2.709 ms with
 PDL (the full grid) and 2.427 ms without it (a later run on the same lease); on another lease, with PDL, 2.336 ms.
-Until one process measures both alternately, every launch is the ordinary, fully serialised one by default
-(bench/results/limits.md).
+Until one process measures both alternately (``bench/pdl_ab.py``), every launch is the ordinary, fully
+serialised one by default (bench/results/limits.md).
 """
 
 from __future__ import annotations

@@ -1,0 +1,93 @@
+"""Programmatic dependent launch on and off in one process: two CUDA graphs of the same decode step, timed in turn.
+
+``python bench/pdl_ab.py OUT.json [--batches 1 64] [--ctx 1024] [--reps 200] [--weight-dtypes bfloat16,float8_e4m3fn]``
+(CUDA GPU, bench config of ``bench.py``). Runs on different leases, or minutes apart on one, differed by more
+than PDL's effect on a decode step (``bench/results/limits.md``), so this script captures the step twice on one
+Setup, once with ``GLM5_PDL=0`` and once with ``GLM5_PDL=1`` (the setting is read when kernels are launched,
+so each graph keeps the one it was captured with), then times ``reps`` steps of each, alternating which goes
+first in a pair. It writes the medians, the median of the per-pair ratios and each graph's step times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import Setup, captured_decode  # noqa: E402
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def timed_step(captured) -> float:
+    """Seconds of one decode step as ``bench.py`` times it: stage + replay + sync."""
+    _, _, runner, rows, _ = captured
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    runner.run(rows)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def ab(s: Setup, batch: int, ctx: int, reps: int) -> dict:
+    from glm5_kernels.pdl import ENV
+    before = os.environ.get(ENV)
+    graphs = {}
+    try:
+        for flag in ("0", "1"):
+            os.environ[ENV] = flag
+            graphs[flag] = captured_decode(s, batch, ctx)
+    finally:
+        if before is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = before
+    steps: dict[str, list[float]] = {"0": [], "1": []}
+    ratios = []
+    for i in range(reps):
+        order = ("0", "1") if i % 2 == 0 else ("1", "0")
+        pair = {flag: timed_step(graphs[flag]) for flag in order}
+        for flag, t in pair.items():
+            steps[flag].append(t)
+        ratios.append(pair["1"] / pair["0"])
+    return {"batch": batch, "ctx": ctx, "weight_dtype": s.weight_dtype, "reps": reps,
+            "pdl_off_ms": _median(steps["0"]) * 1e3, "pdl_on_ms": _median(steps["1"]) * 1e3,
+            "on_over_off_median_pair": _median(ratios), "steps_off_s": steps["0"], "steps_on_s": steps["1"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path, help="JSON file to write")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=200, help="steps per setting")
+    ap.add_argument("--weight-dtypes", default="bfloat16,float8_e4m3fn")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/pdl_ab.py needs a CUDA GPU")
+    res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv), "rows": []}
+    for wdt in [d.strip() for d in args.weight_dtypes.split(",") if d.strip()]:
+        s = Setup(max(args.batches), args.ctx, wdt)
+        for b in args.batches:
+            row = ab(s, b, args.ctx, args.reps)
+            res["rows"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if not k.startswith("steps_")}), flush=True)
+        s.close()
+        del s
+        torch.cuda.empty_cache()
+    args.out.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
