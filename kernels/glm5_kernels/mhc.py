@@ -21,7 +21,6 @@ host, so both functions are CUDA-graph capturable.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -29,6 +28,7 @@ import triton
 import triton.language as tl
 
 from glm5_kernels.mhc_ref import mhc_post_ref, mhc_pre_ref
+from glm5_kernels.device import sm_count
 from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
 logger = logging.getLogger(__name__)
@@ -152,16 +152,9 @@ def _mhc_post_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, H, stride_yt, st
 
 # ------------------------------------------------------------------------------------------ wrappers
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _target_programs(device: torch.device) -> int:
-    """About two waves of programs; a fixed guess off-GPU (interpreter)."""
-    if device.type == "cuda":
-        return 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return 264
+    """About two waves of programs (off the GPU, e.g. under the interpreter, the H200's)."""
+    return 2 * sm_count(device)
 
 
 def _check_streams(streams: torch.Tensor, n: int) -> tuple[int, int]:

@@ -19,7 +19,6 @@ The same kernel serves prefill (:mod:`glm5_kernels.sparse_mla_prefill`: one spli
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,7 @@ import triton
 import triton.language as tl
 
 from glm5_kernels.kpool import interpreting
+from glm5_kernels.device import sm_count
 from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
 LOG2E = 1.4426950408889634
@@ -160,14 +160,6 @@ DEFAULT_CONFIGS = {torch.bfloat16: AttnConfig(), torch.float16: AttnConfig(),
                    torch.float32: AttnConfig(block_h=16, block_k=32, num_warps=8, num_stages=2)}
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int | None) -> int:
-    """Streaming multiprocessors of the CUDA device (132 on the H200; 132 without one, e.g. the interpreter)."""
-    if not torch.cuda.is_available():
-        return 132
-    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
-
-
 def check_inputs(q_lat: torch.Tensor, latent: torch.Tensor) -> None:
     """Raise ValueError unless ``q_lat [N, H, R]`` and ``latent [S, R]`` suit the kernel."""
     r = q_lat.shape[-1]
@@ -222,7 +214,7 @@ def sparse_mla_decode(q_lat: torch.Tensor, latent: torch.Tensor, idx: torch.Tens
     k = idx.shape[1]
     hblocks = triton.cdiv(h, min(cfg.block_h, max(16, triton.next_power_of_2(h))))
     if splits is None:
-        splits = max(1, min(triton.cdiv(k, cfg.block_k), _sm_count(q_lat.device.index) // max(n * hblocks, 1)))
+        splits = max(1, min(triton.cdiv(k, cfg.block_k), sm_count(q_lat.device) // max(n * hblocks, 1)))
     splits = triton.cdiv(k, cfg.block_k * triton.cdiv(triton.cdiv(k, splits), cfg.block_k))  # no empty split
     out = torch.empty(n, h, r, device=q_lat.device, dtype=out_dtype)
     if n == 0:

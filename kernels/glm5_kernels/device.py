@@ -1,0 +1,25 @@
+"""What launchers size their grids by: the streaming multiprocessors of the device a tensor lives on."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+#: The H200's SM count, used off the GPU (the Triton interpreter runs launchers on CPU tensors).
+DEFAULT_SMS = 132
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a CUDA device; :data:`DEFAULT_SMS` for any other)."""
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+__all__ = ["DEFAULT_SMS", "sm_count"]
