@@ -39,12 +39,15 @@ def timed_step(captured) -> float:
 
 
 def ab(s: Setup, batch: int, ctx: int, reps: int) -> dict:
-    from glm5_kernels.pdl import ENV
+    from glm5_kernels.pdl import ENV, pdl_enabled
     before = os.environ.get(ENV)
     graphs = {}
     try:
         for flag in ("0", "1"):
             os.environ[ENV] = flag
+            if pdl_enabled(torch.device("cuda")) != (flag == "1"):
+                raise SystemExit(f"{ENV}={flag} does not give PDL {'on' if flag == '1' else 'off'} here (PDL needs "
+                                 "compute capability >= 9.0 and Triton >= 3.4): the two graphs would be the same")
             graphs[flag] = captured_decode(s, batch, ctx)
     finally:
         if before is None:

@@ -23,10 +23,10 @@ SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on the H200
 
 
 def _compile(fn, ptrs: dict[str, str], constexprs: dict, floats: tuple[str, ...] = (), i64: tuple[str, ...] = (),
-             **options):
-    """Compile ``fn`` with pointer element types ``ptrs`` (name → triton type), scalars i32 unless named in
-    ``floats`` (fp32) or ``i64``, and the given constexpr values; ``options``: num_warps / num_stages.
-    Returns the compiled kernel, whose shared memory must fit the H200."""
+             target: GPUTarget = SM90, smem_limit: int = SMEM_LIMIT, **options):
+    """Compile ``fn`` for ``target`` with pointer element types ``ptrs`` (name → triton type), scalars i32 unless
+    named in ``floats`` (fp32) or ``i64``, and the given constexpr values; ``options``: num_warps / num_stages.
+    Returns the compiled kernel, whose shared memory must fit ``smem_limit`` (the H200's by default)."""
     sig = {}
     for p in fn.params:
         if p.is_constexpr:
@@ -43,8 +43,8 @@ def _compile(fn, ptrs: dict[str, str], constexprs: dict, floats: tuple[str, ...]
     assert not missing, f"{fn.__name__}: constexpr values missing for {missing}"
     if constexprs.get("USE_PDL"):
         options = {**options, "launch_pdl": True}
-    kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=SM90, options=options or None)
-    assert kernel.metadata.shared <= SMEM_LIMIT, f"{fn.__name__}: {kernel.metadata.shared} B of shared memory"
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=target, options=options or None)
+    assert kernel.metadata.shared <= smem_limit, f"{fn.__name__}: {kernel.metadata.shared} B of shared memory"
     return kernel
 
 
@@ -79,6 +79,20 @@ def test_sparse_mla_kernel_compiles(dtype, has_cnt, normalize):
              dict(H=64, R=512, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, SPLITS=1 if normalize else 8,
                   IEEE=dtype == "fp32", HAS_CNT=has_cnt, UPCAST=False, NORMALIZE=normalize),
              floats=("qk_scale",), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+@pytest.mark.parametrize("cap,limit_kb", [(80, 163), (86, 99)])
+def test_sparse_mla_pre_hopper_tile_fits(cap, limit_kb):
+    """The bf16 tile ``default_config`` picks before Hopper fits those GPUs' shared memory per block (the
+    Hopper default does not: 164 KB as compiled for sm80 / sm86)."""
+    from glm5_kernels.sparse_mla_decode import PRE_HOPPER_CONFIG as cfg
+    from glm5_kernels.sparse_mla_decode import _sparse_mla_kernel
+    _compile(_sparse_mla_kernel, dict(q_ptr="bf16", lat_ptr="bf16", idx_ptr="i32", cnt_ptr="i32", o_ptr="bf16",
+                                      m_ptr="fp32", l_ptr="fp32"),
+             dict(H=64, R=512, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, SPLITS=1, IEEE=False, HAS_CNT=True,
+                  UPCAST=False, NORMALIZE=True),
+             floats=("qk_scale",), target=GPUTarget("cuda", cap, 32), smem_limit=limit_kb * 1024,
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 @pytest.mark.parametrize("fused", [False, True])

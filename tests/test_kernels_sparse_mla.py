@@ -82,3 +82,18 @@ def test_sparse_mla_decode_interpreter_cpu():
         [str(ROOT / "kernels"), str(ROOT / "backend"), os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+def test_default_tile_by_gpu_generation(monkeypatch):
+    """Hopper (and the CPU interpreter) gets the 64-head tile; 16-bit inputs on an older GPU the smaller one that
+    fits its shared memory; fp32 keeps its own tile everywhere."""
+    from glm5_kernels import device as dev
+    from glm5_kernels import sparse_mla_decode as m
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(dev, "_capability", lambda index: (8, 6))
+    assert m.default_config(torch.bfloat16, cuda) == m.PRE_HOPPER_CONFIG
+    assert m.default_config(torch.float32, cuda) == m.DEFAULT_CONFIGS[torch.float32]
+    assert m.default_config(torch.bfloat16, cpu) == m.DEFAULT_CONFIGS[torch.bfloat16]
+    monkeypatch.setattr(dev, "_capability", lambda index: (9, 0))
+    assert m.default_config(torch.bfloat16, cuda) == m.DEFAULT_CONFIGS[torch.bfloat16]
+    assert m.DEFAULT_CONFIGS[torch.bfloat16].block_h == 64

@@ -97,3 +97,23 @@ def test_every_pdl_launch_waits_first():
 def test_structural_rule_itself(src, ok):
     """The checker above accepts a wait before any return and rejects a conditional or missing one."""
     assert _enters_unconditionally(ast.parse(src).body[0]) is ok
+
+
+def test_old_triton_without_griddepcontrol_keeps_pdl_off(monkeypatch):
+    """A Triton without ``gdc_wait`` (before 3.4): the module still imports, ``pdl_enter`` compiles to nothing and
+    no launch asks for PDL, whatever ``GLM5_PDL`` says."""
+    import importlib
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "triton.language.extra.cuda", types.ModuleType("triton.language.extra.cuda"))
+    try:
+        importlib.reload(pdl)
+        assert not pdl.HAVE_GDC
+        monkeypatch.setenv(pdl.ENV, "1")
+        monkeypatch.setattr(pdl, "_device_supports", lambda index: True)
+        assert pdl.pdl_kwargs(torch.device("cuda", 0)) == {}
+    finally:
+        monkeypatch.undo()
+        importlib.reload(pdl)
+    assert pdl.HAVE_GDC

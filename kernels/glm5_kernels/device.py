@@ -1,4 +1,5 @@
-"""What launchers size their grids by: the streaming multiprocessors of the device a tensor lives on."""
+"""What launchers ask of the device a tensor lives on: its streaming multiprocessors (grid sizes) and its
+compute capability (tiles that fit its shared memory); both cached per device."""
 
 from __future__ import annotations
 
@@ -22,4 +23,16 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-__all__ = ["DEFAULT_SMS", "sm_count"]
+@functools.lru_cache(maxsize=8)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def compute_capability(device: torch.device) -> tuple[int, int] | None:
+    """``(major, minor)`` of a CUDA ``device``; None for any other."""
+    if device.type != "cuda":
+        return None
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+__all__ = ["DEFAULT_SMS", "compute_capability", "sm_count"]

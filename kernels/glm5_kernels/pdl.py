@@ -28,7 +28,20 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAVE_GDC = True
+except ImportError:  # Triton before 3.4 has no griddepcontrol wrappers: PDL stays off, the kernels still load
+    HAVE_GDC = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
 
 ENV = "GLM5_PDL"
 
@@ -41,9 +54,10 @@ def _device_supports(device_index: int | None) -> bool:
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether launches on ``device`` use PDL: ``GLM5_PDL=1``, a CUDA device of compute capability >= 9.0, and
-    not the interpreter."""
-    if device.type != "cuda" or os.environ.get(ENV, "0") != "1" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    """Whether launches on ``device`` use PDL: ``GLM5_PDL=1``, a CUDA device of compute capability >= 9.0, a
+    Triton with the griddepcontrol wrappers (3.4 and newer), and not the interpreter."""
+    if not HAVE_GDC or device.type != "cuda" or os.environ.get(ENV, "0") != "1" \
+            or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False
     return _device_supports(device.index)
 
@@ -64,4 +78,4 @@ def pdl_enter(USE_PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-__all__ = ["ENV", "pdl_enabled", "pdl_enter", "pdl_kwargs"]
+__all__ = ["ENV", "HAVE_GDC", "pdl_enabled", "pdl_enter", "pdl_kwargs"]

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from glm5_kernels.kpool import interpreting
-from glm5_kernels.device import sm_count
+from glm5_kernels.device import compute_capability, sm_count
 from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
 LOG2E = 1.4426950408889634
@@ -158,6 +158,18 @@ class AttnConfig:
 #: products) halves the tiles to fit shared memory.
 DEFAULT_CONFIGS = {torch.bfloat16: AttnConfig(), torch.float16: AttnConfig(),
                    torch.float32: AttnConfig(block_h=16, block_k=32, num_warps=8, num_stages=2)}
+#: bf16 / fp16 tile for GPUs before Hopper: the default needs 131 KB of shared memory on sm90 and 164 KB as
+#: compiled for sm80 / sm86, over their 163 / 99 KB per block; this one needs 82 KB (not timed there).
+PRE_HOPPER_CONFIG = AttnConfig(block_h=32, block_k=32, num_warps=8, num_stages=2)
+
+
+def default_config(dtype: torch.dtype, device: torch.device) -> AttnConfig:
+    """The launch tile for ``dtype`` on ``device`` (:data:`DEFAULT_CONFIGS`, or :data:`PRE_HOPPER_CONFIG` for
+    16-bit inputs on a CUDA GPU of compute capability below 9.0)."""
+    cap = compute_capability(device)
+    if dtype != torch.float32 and cap is not None and cap[0] < 9:
+        return PRE_HOPPER_CONFIG
+    return DEFAULT_CONFIGS.get(dtype, AttnConfig())
 
 
 def check_inputs(q_lat: torch.Tensor, latent: torch.Tensor) -> None:
@@ -202,14 +214,14 @@ def sparse_mla_decode(q_lat: torch.Tensor, latent: torch.Tensor, idx: torch.Tens
     ``q_lat`` and ``latent`` must share a dtype (bf16 or fp32); R must be a power of two >= 32. ``counts [N]``
     (optional): row n's valid entries are its first ``counts[n]`` (as select_token_slots writes them);
     programs past it skip their tiles instead of loading ``-1`` entries. ``block_h`` / ``block_k`` override
-    the dtype's :data:`DEFAULT_CONFIGS` tile. ``splits`` defaults to about one program per SM (at most one
+    the tile of :func:`default_config`. ``splits`` defaults to about one program per SM (at most one
     key tile per split); with one split the kernel writes the output itself and no combine launch runs.
     """
     n, h, r = q_lat.shape
     q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
     check_inputs(q_lat, latent)
     idx = idx if idx.dtype == torch.int32 and idx.stride(-1) == 1 else idx.to(torch.int32).contiguous()
-    base = DEFAULT_CONFIGS.get(q_lat.dtype, AttnConfig())
+    base = default_config(q_lat.dtype, q_lat.device)
     cfg = AttnConfig(block_h or base.block_h, block_k or base.block_k, base.num_warps, base.num_stages)
     k = idx.shape[1]
     hblocks = triton.cdiv(h, min(cfg.block_h, max(16, triton.next_power_of_2(h))))
@@ -243,5 +255,5 @@ def decode_flops(n: int, k: int, r: int, h: int) -> int:
     return 4 * n * h * k * r
 
 
-__all__ = ["AttnConfig", "DEFAULT_CONFIGS", "LOG2E", "check_inputs", "decode_bytes", "decode_flops", "launch_attention",
-           "sparse_mla_decode"]
+__all__ = ["AttnConfig", "DEFAULT_CONFIGS", "LOG2E", "PRE_HOPPER_CONFIG", "check_inputs", "decode_bytes", "decode_flops",
+           "default_config", "launch_attention", "sparse_mla_decode"]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from glm5_kernels.sparse_mla_decode import DEFAULT_CONFIGS, AttnConfig, check_inputs, launch_attention
+from glm5_kernels.sparse_mla_decode import AttnConfig, check_inputs, default_config, launch_attention
 
 
 def sparse_mla_prefill(q_lat: torch.Tensor, latent: torch.Tensor, idx: torch.Tensor, counts: torch.Tensor,
@@ -58,7 +58,7 @@ def sparse_mla_prefill(q_lat: torch.Tensor, latent: torch.Tensor, idx: torch.Ten
                          f"strides {out.stride()}")
     if n == 0:
         return out
-    cfg = config or DEFAULT_CONFIGS.get(q_lat.dtype, AttnConfig())
+    cfg = config or default_config(q_lat.dtype, q_lat.device)
     idx = idx if idx.dtype == torch.int32 and idx.stride(-1) == 1 else idx.to(torch.int32).contiguous()
     counts = counts if counts.dtype == torch.int32 and counts.is_contiguous() else counts.to(torch.int32).contiguous()
     launch_attention(q_lat, latent, idx, counts, scale, 1, cfg, out)
