@@ -30,21 +30,23 @@ RESULTS_DIR = HERE / "results"
 NOTES_FILE = "limits.md"   # beside the results JSON
 
 
+def _decode_rooflines(rows: list[dict], copy_bw: float) -> None:
+    """Each measured decode row's step in ms, its roofline (bytes / ``copy_bw``) and the share of it reached."""
+    for r in rows:
+        if "error" not in r:
+            r["step_ms"] = r["step_s"] * 1e3
+            r["roofline_ms"] = r["bytes"]["total"] / copy_bw * 1e3
+            r["roofline_fraction"] = r["roofline_ms"] / r["step_ms"]
+
+
 def finalize(res: dict) -> dict:
-    bw, peak = res["ceilings"]["copy_bw_Bps"], res["ceilings"]["matmul_bf16_flops"]
-    for r in res.get("decode", []) + res.get("decode_flashinfer", []):
+    peak = res["ceilings"]["matmul_bf16_flops"]
+    for r in res.get("decode_flashinfer", []):  # rows merged from another run: no roofline against this one's
         if "error" not in r:
             r["step_ms"] = r["step_s"] * 1e3
-    for r in res.get("decode", []):  # rows merged from another run (decode_flashinfer) had that run's ceiling
-        if "error" not in r:
-            r["roofline_ms"] = r["bytes"]["total"] / bw * 1e3
-            r["roofline_fraction"] = r["roofline_ms"] / r["step_ms"]
-    off = res.get("pdl_off")
-    for r in off["decode"] if off else []:  # its own run's ceiling
-        if "error" not in r:
-            r["step_ms"] = r["step_s"] * 1e3
-            r["roofline_ms"] = r["bytes"]["total"] / off["ceilings"]["copy_bw_Bps"] * 1e3
-            r["roofline_fraction"] = r["roofline_ms"] / r["step_ms"]
+    _decode_rooflines(res.get("decode", []), res["ceilings"]["copy_bw_Bps"])
+    if off := res.get("pdl_off"):
+        _decode_rooflines(off["decode"], off["ceilings"]["copy_bw_Bps"])  # its own run's ceiling
     for r in res.get("prefill", []):
         if "error" not in r:
             r["peak_fraction"] = r["tflops"] * 1e12 / peak

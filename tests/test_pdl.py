@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from glm5_kernels import pdl
+from glm5_kernels import device, pdl
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels" / "glm5_kernels"
 
@@ -24,7 +24,7 @@ KERNELS = Path(__file__).resolve().parent.parent / "kernels" / "glm5_kernels"
 def test_pdl_off_by_default_and_without_a_hopper_gpu(monkeypatch):
     monkeypatch.delenv(pdl.ENV, raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(pdl, "_device_supports", lambda index: True)
+    monkeypatch.setattr(device, "_capability", lambda index: (9, 0))
     assert pdl.pdl_kwargs(torch.device("cuda", 0)) == {}                 # opt-in
     monkeypatch.setenv(pdl.ENV, "1")
     assert pdl.pdl_kwargs(torch.device("cpu")) == {}
@@ -38,7 +38,7 @@ def test_pdl_off_by_default_and_without_a_hopper_gpu(monkeypatch):
 def test_pdl_on_for_sm90_when_asked(monkeypatch):
     monkeypatch.setenv(pdl.ENV, "1")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(pdl, "_device_supports", lambda index: True)
+    monkeypatch.setattr(device, "_capability", lambda index: (9, 0))
     assert pdl.pdl_kwargs(torch.device("cuda", 0)) == {"USE_PDL": True, "launch_pdl": True}
     monkeypatch.setenv(pdl.ENV, "0")
     assert pdl.pdl_kwargs(torch.device("cuda", 0)) == {}
@@ -111,7 +111,7 @@ def test_old_triton_without_griddepcontrol_keeps_pdl_off(monkeypatch):
         importlib.reload(pdl)
         assert not pdl.HAVE_GDC
         monkeypatch.setenv(pdl.ENV, "1")
-        monkeypatch.setattr(pdl, "_device_supports", lambda index: True)
+        monkeypatch.setattr(device, "_capability", lambda index: (9, 0))
         assert pdl.pdl_kwargs(torch.device("cuda", 0)) == {}
     finally:
         monkeypatch.undo()

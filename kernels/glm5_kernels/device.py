@@ -1,11 +1,18 @@
 """What launchers ask of the device a tensor lives on: its streaming multiprocessors (grid sizes) and its
-compute capability (tiles that fit its shared memory); both cached per device."""
+compute capability (tiles that fit its shared memory), both cached per device; and whether the Triton
+interpreter runs the kernels instead."""
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
+
+def interpreting() -> bool:
+    """True under ``TRITON_INTERPRET=1`` (CPU): libdevice math is unavailable there."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 
 #: The H200's SM count, used off the GPU (the Triton interpreter runs launchers on CPU tensors).
 DEFAULT_SMS = 132
@@ -35,4 +42,4 @@ def compute_capability(device: torch.device) -> tuple[int, int] | None:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
-__all__ = ["DEFAULT_SMS", "compute_capability", "sm_count"]
+__all__ = ["DEFAULT_SMS", "compute_capability", "interpreting", "sm_count"]

@@ -179,6 +179,14 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr,
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n < N)[None, :])
 
 
+@triton.jit
+def _gemv_fma_step(acc3, x, w, sc):
+    """``acc3 [BM, BN, BK]`` plus one K tile's elementwise products in :func:`_fp8_gemv_fma_kernel`: the weight
+    scales folded into the activation, the e4m3 tile widened to fp32 in registers."""
+    xs = x.to(tl.float32) * sc[None, :]
+    return acc3 + w.to(tl.float32)[None, :, :] * xs[:, None, :]
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr, M, N, K,
                          stride_xm, stride_wn, stride_sn, stride_yk, stride_ym,
@@ -210,13 +218,11 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr, M, N, K,
     # loop body is loads and FMAs only (a reduction per tile costs a cross-warp exchange per tile)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     if kt0 < kt1:
-        xs = _x_tile(x_base, kt0 * BLOCK_K + offs_k, m_ok, K, EVEN_K).to(tl.float32) * sc[None, :]
-        acc3 += w.to(tl.float32)[None, :, :] * xs[:, None, :]
+        acc3 = _gemv_fma_step(acc3, _x_tile(x_base, kt0 * BLOCK_K + offs_k, m_ok, K, EVEN_K), w, sc)
     for kt in range(kt0 + 1, kt1):
         kk = kt * BLOCK_K + offs_k
         w, sc = _w_tile(w_base, s_base, kk, K, SB, EVEN_K, False)
-        xs = _x_tile(x_base, kk, m_ok, K, EVEN_K).to(tl.float32) * sc[None, :]
-        acc3 += w.to(tl.float32)[None, :, :] * xs[:, None, :]
+        acc3 = _gemv_fma_step(acc3, _x_tile(x_base, kk, m_ok, K, EVEN_K), w, sc)
     acc = tl.sum(acc3, axis=2)
     if HAS_BIAS:
         if pid_k == 0:

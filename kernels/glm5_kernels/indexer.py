@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from glm5_kernels.fp8_index_ref import quantize_e4m3
-from glm5_kernels.kpool import interpreting
+from glm5_kernels.device import interpreting
 from glm5_kernels.kpool_ref import hadamard_matrix
 from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 

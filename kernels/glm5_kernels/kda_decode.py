@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from glm5_kernels.kpool import interpreting
+from glm5_kernels.device import interpreting
 from glm5_kernels.norms import _round_to
 from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 

@@ -25,24 +25,18 @@ is written by a second launch after every pool is read, so no program reads a ta
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from glm5_kernels.device import interpreting
 from glm5_kernels.fp8_index_ref import E4M3_MAX, MIN_ABSMAX
 from glm5_kernels.kpool_ref import hadamard_matrix
 from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
 _E4M3 = tl.constexpr(E4M3_MAX)
 _MIN_ABSMAX = tl.constexpr(MIN_ABSMAX)
-
-
-def interpreting() -> bool:
-    """True under ``TRITON_INTERPRET=1`` (CPU): libdevice math is unavailable there."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ---------------------------------------------------------------------------------------------- Triton helpers

@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from glm5_kernels.kpool import _rne_bf16, interpreting
+from glm5_kernels.device import interpreting
+from glm5_kernels.kpool import _rne_bf16
 from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
 

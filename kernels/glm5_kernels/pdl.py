@@ -22,12 +22,13 @@ serialised one by default (bench/results/limits.md).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from glm5_kernels.device import compute_capability, interpreting
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -46,20 +47,13 @@ except ImportError:  # Triton before 3.4 has no griddepcontrol wrappers: PDL sta
 ENV = "GLM5_PDL"
 
 
-@functools.lru_cache(maxsize=None)
-def _device_supports(device_index: int | None) -> bool:
-    if not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
 def pdl_enabled(device: torch.device) -> bool:
     """Whether launches on ``device`` use PDL: ``GLM5_PDL=1``, a CUDA device of compute capability >= 9.0, a
     Triton with the griddepcontrol wrappers (3.4 and newer), and not the interpreter."""
-    if not HAVE_GDC or device.type != "cuda" or os.environ.get(ENV, "0") != "1" \
-            or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if not HAVE_GDC or device.type != "cuda" or os.environ.get(ENV, "0") != "1" or interpreting():
         return False
-    return _device_supports(device.index)
+    cap = compute_capability(device)
+    return cap is not None and cap[0] >= 9
 
 
 def pdl_kwargs(device: torch.device) -> dict[str, bool]:

@@ -25,8 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from glm5_kernels.kpool import interpreting
-from glm5_kernels.device import compute_capability, sm_count
+from glm5_kernels.device import compute_capability, interpreting, sm_count
 from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
 LOG2E = 1.4426950408889634
@@ -184,6 +183,16 @@ def check_inputs(q_lat: torch.Tensor, latent: torch.Tensor) -> None:
         raise ValueError("q_lat and latent need a unit last stride")
 
 
+def _heads_per_program(cfg: AttnConfig, h: int) -> int:
+    """``cfg.block_h`` capped at ``h`` rounded up to a power of two (at least 16, the dot's minimum)."""
+    return min(cfg.block_h, max(16, triton.next_power_of_2(h)))
+
+
+def _rows_per_split(k: int, splits: int, block_k: int) -> int:
+    """Selected rows each of ``splits`` programs takes from a ``k``-wide list: whole key tiles."""
+    return block_k * triton.cdiv(triton.cdiv(k, splits), block_k)
+
+
 def launch_attention(q_lat: torch.Tensor, latent: torch.Tensor, idx: torch.Tensor, counts: torch.Tensor | None,
                      scale: float, splits: int, cfg: AttnConfig, out: torch.Tensor, m: torch.Tensor | None = None,
                      l_: torch.Tensor | None = None) -> None:
@@ -192,8 +201,8 @@ def launch_attention(q_lat: torch.Tensor, latent: torch.Tensor, idx: torch.Tenso
     and ``m``, ``l_ [N, splits, H]`` their running max and sum."""
     n, h, r = q_lat.shape
     k = idx.shape[1]
-    block_h = min(cfg.block_h, max(16, triton.next_power_of_2(h)))
-    per_split = cfg.block_k * triton.cdiv(triton.cdiv(k, splits), cfg.block_k)
+    block_h = _heads_per_program(cfg, h)
+    per_split = _rows_per_split(k, splits, cfg.block_k)
     normalize = splits == 1
     stride_os = 0 if normalize else out.stride(1)
     _sparse_mla_kernel[(triton.cdiv(h, block_h), n, splits)](
@@ -224,10 +233,10 @@ def sparse_mla_decode(q_lat: torch.Tensor, latent: torch.Tensor, idx: torch.Tens
     base = default_config(q_lat.dtype, q_lat.device)
     cfg = AttnConfig(block_h or base.block_h, block_k or base.block_k, base.num_warps, base.num_stages)
     k = idx.shape[1]
-    hblocks = triton.cdiv(h, min(cfg.block_h, max(16, triton.next_power_of_2(h))))
+    hblocks = triton.cdiv(h, _heads_per_program(cfg, h))
     if splits is None:
         splits = max(1, min(triton.cdiv(k, cfg.block_k), sm_count(q_lat.device) // max(n * hblocks, 1)))
-    splits = triton.cdiv(k, cfg.block_k * triton.cdiv(triton.cdiv(k, splits), cfg.block_k))  # no empty split
+    splits = triton.cdiv(k, _rows_per_split(k, splits, cfg.block_k))  # no empty split
     out = torch.empty(n, h, r, device=q_lat.device, dtype=out_dtype)
     if n == 0:
         return out
