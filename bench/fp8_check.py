@@ -8,7 +8,7 @@
    MLA's absorbed shapes, and the fused MoE with fp8 experts (E288/H4096/I2048, T = 1, 64, 1024) against
    their references (bounds in ``tests/test_kernels_fp8.py``).
 2. Timings, for each real (N, K) and M = 1, 4, 16, 64, 256, 1K, 4K, 16K: bf16 cuBLAS (``x @ w.t()``), the fp8
-   GEMVs (``gemv`` and ``gemv_w8a8`` at a few tile configs for M <= 256, ``gemv_fma`` for M <= 4),
+   GEMVs (``gemv`` and ``gemv_w8a8``, plain and swapped, at a few tile configs for M <= 256, ``gemv_fma`` for M <= 4),
    ``_scaled_mm`` and the Triton w8a8 GEMM (M >= 16); CUDA-graph replay up to M = 256 (what decode runs),
    plain ``do_bench`` above. Reported: µs, fp8 bytes/µs, speedup of the best fp8 choice over bf16. Then the
    fused MoE at ``--moe-tokens``: bf16 experts, fp8 experts widened (``A_FP8`` 0) and w8a8 (``A_FP8`` 1).
@@ -69,6 +69,10 @@ FMA_CANDIDATES = [(16, 512, 1, 4, 2), (16, 512, 2, 4, 2), (16, 512, 4, 4, 2), (8
 #: once per strip and wide ones alone leave most SMs idle on the N = 4096 projections.
 W8A8_GEMV_CANDIDATES = [(16, 1, 4, 3), (16, 1, 8, 3), (16, 4, 4, 3), (32, 2, 4, 4), (64, 1, 4, 4), (64, 4, 4, 3),
                         (128, 1, 8, 3), (128, 4, 8, 3), (128, 8, 8, 3)]
+#: The same GEMV swapped (``SWAP_AB``: the weight strip on the warpgroup MMA's M side, which needs 64 rows or more):
+#: (BLOCK_N, SPLIT_K, num_warps, num_stages).
+SWAP_GEMV_CANDIDATES = [(64, 1, 4, 3), (64, 1, 4, 5), (64, 2, 4, 5), (128, 1, 4, 3), (128, 1, 4, 5), (128, 2, 4, 5),
+                        (128, 1, 8, 5), (128, 4, 4, 5)]
 W8A16_BOUND = W8A8_BOUND = 1e-2
 W8A8_MOE_BOUND = 2e-2  # the MoE's w8a8 mode quantises twice (tests/test_kernels_fp8.py says why)
 
@@ -213,11 +217,13 @@ def time_shape(name: str, n: int, k: int, ms: list[int], deadline: float, log) -
                  "num_warps": nw, "num_stages": st} for bn, bk, sp, nw, st in GEMV_CANDIDATES]
             cfgs += [{"impl": "gemv_w8a8", "BLOCK_M": default["BLOCK_M"], "BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": sp,
                       "num_warps": nw, "num_stages": st} for bn, sp, nw, st in W8A8_GEMV_CANDIDATES]
+            cfgs += [{"impl": "gemv_w8a8", "BLOCK_M": default["BLOCK_M"], "BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": sp,
+                      "num_warps": nw, "num_stages": st, "SWAP_AB": 1} for bn, sp, nw, st in SWAP_GEMV_CANDIDATES]
         if m <= 4:
             cfgs += [{"impl": "gemv_fma", "BLOCK_M": m, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "num_warps": nw,
                       "num_stages": st} for bn, bk, sp, nw, st in FMA_CANDIDATES]
         for cfg in cfgs:
-            label = cfg["impl"] + " " + "/".join(str(cfg[kk]) for kk in fl.GEMV_KEYS)
+            label = cfg["impl"] + " " + "/".join(str(cfg[kk]) for kk in fl.GEMV_KEYS) + (" swap" if cfg.get("SWAP_AB") else "")
             if label in choices or cfg["BLOCK_N"] > max(16, triton.next_power_of_2(n)):
                 continue
             choices[label] = cfg

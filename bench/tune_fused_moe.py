@@ -4,12 +4,14 @@
 
 ``--fp8`` tunes the fp8-weight path (experts e4m3 with 128 x 128 block scales, bf16 activations) and writes
 ``fused_moe_E288_H4096_I2048_bf16_fp8w_{device}.json``; its tiles are at most 128 wide in N (one scale row
-per weight tile), so wider candidates are skipped.
+per weight tile), so wider candidates are skipped. The output file's entries for token counts that ``--ms`` does
+not list are kept.
 
 For each token count M (1 … 16384) at E=288, H=4096, I=2048, top-8, bf16 with uniform random
 routing, the two kernels are timed *separately* for every BLOCK_SIZE_M candidate (both share the
 alignment, so BLOCK_SIZE_M is common, but their N/K tiles, warps and stages are chosen independently
-and the down kernel's choice is stored under ``"down"``). Candidates are tried in prior order until
+and the down kernel's choice is stored under ``"down"``); fp8 experts in the w8a8 mode also try the dots
+swapped (``SWAP_AB``). Candidates are tried in prior order until
 the M's share of ``--budget-s`` is spent (unused time rolls over to later M), so the run always
 finishes in about the budget; the heuristic default is always measured first, so the table is never
 worse than the default as measured. Failures (compile errors, shared-memory overflow, OOM) are logged
@@ -77,9 +79,17 @@ def block_m_candidates(m: int, top_k: int, num_experts: int) -> list[int]:
     return [first] + [b for b in cands if b != first]
 
 
-def tile_candidates(block_m: int, kernel: str, default: dict[str, Any], elem: int) -> list[dict[str, Any]]:
+#: Extra tiles for the swapped w8a8 dots (``SWAP_AB``: the weight tile on the warpgroup MMA's M side), which keep
+#: fp8 tiles in shared memory and so fit more stages.
+_SWAP = [(64, 128, 1, 4, 5), (128, 128, 1, 8, 3), (128, 128, 1, 4, 4)]
+
+
+def tile_candidates(block_m: int, kernel: str, default: dict[str, Any], elem: int,
+                    swap: bool = False) -> list[dict[str, Any]]:
     """Tile configs for one kernel ("gate_up" or "down") at this BLOCK_SIZE_M, prior order, deduplicated,
-    shared-memory-feasible; the default config's tiles come first when its BLOCK_SIZE_M matches."""
+    shared-memory-feasible; the default config's tiles come first when its BLOCK_SIZE_M matches. ``swap`` (the
+    fp8 w8a8 mode at row blocks up to 32): every tile at least 64 wide in N also swapped, plus :data:`_SWAP`;
+    each candidate then says ``SWAP_AB`` explicitly, so that a ``down`` override never inherits gate/up's."""
     table = {("gate_up", "small"): _SMALL_GU, ("down", "small"): _SMALL_DN, ("gate_up", "mid"): _MID_GU,
              ("down", "mid"): _MID_DN, ("gate_up", "big"): _BIG_GU, ("down", "big"): _BIG_DN}
     size = "small" if block_m <= 32 else "mid" if block_m <= 64 else "big"
@@ -93,7 +103,13 @@ def tile_candidates(block_m: int, kernel: str, default: dict[str, Any], elem: in
         if stages * (block_m * bk + b_tiles * bk * bn) * elem > fm.SMEM_LIMIT or cfg in out:
             continue
         out.append(cfg)
-    return out
+    if not (swap and block_m <= 32):
+        return out
+    swapped = [{**c, "SWAP_AB": 1} for c in out if c["BLOCK_SIZE_N"] >= 64]
+    swapped += [{"BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk, "GROUP_SIZE_M": gm, "num_warps": warps, "num_stages": st,
+                 "SWAP_AB": 1} for bn, bk, gm, warps, st in _SWAP]
+    plain = [{**c, "SWAP_AB": 0} for c in out]
+    return plain + [c for i, c in enumerate(swapped) if c not in swapped[:i]]
 
 
 def bench_us(fn: Callable[[], Any], rep_ms: int) -> float:
@@ -132,7 +148,7 @@ def tune_one_m(m: int, deadline: float, w: dict[str, torch.Tensor], top_k: int, 
     lanes = []
     for bm in block_m_candidates(m, top_k, e):
         for kernel in ("gate_up", "down"):
-            lanes.append([(bm, kernel, c) for c in tile_candidates(bm, kernel, default, elem)
+            lanes.append([(bm, kernel, c) for c in tile_candidates(bm, kernel, default, elem, swap=bool(mode.get("A_FP8")))
                           if sc is None or c["BLOCK_SIZE_N"] <= fm.FP8_BLOCK])
     jobs = [lane[i] for i in range(max(len(lane) for lane in lanes)) for lane in lanes if i < len(lane)]
 
@@ -273,12 +289,20 @@ def main() -> None:
     if out.suffix != ".json":
         out = out / fm.config_file_name(e, hidden, inter, dtype, fm.device_name(dev), fp8_weights=args.fp8)
     out.parent.mkdir(parents=True, exist_ok=True)
-    table: dict[str, Any] = {str(m): r["config"] for m, r in results.items()}
+    # token counts this run did not tune keep their entries (and their recorded numbers)
+    old = json.loads(out.read_text()) if out.exists() else {}
+    table: dict[str, Any] = {m: c for m, c in old.items() if not m.startswith("_")}
+    table.update({str(m): r["config"] for m, r in results.items()})
+    table = dict(sorted(table.items(), key=lambda kv: int(kv[0])))
+    kept = {m: r for m, r in old.get("_meta", {}).get("results", {}).items() if m in table}
     table["_meta"] = {"top_k": k, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": triton.__version__, "budget_s": args.budget_s, "copy_GBps": bw / 1e9,
-                      "results": {str(m): {kk: v for kk, v in r.items() if kk != "config"} for m, r in results.items()}}
+                      "tuned_ms": sorted(results),
+                      "results": {**kept, **{str(m): {kk: v for kk, v in r.items() if kk != "config"}
+                                             for m, r in results.items()}}}
     out.write_text(json.dumps(table, indent=1) + "\n")
-    print(f"\nwrote {out} ({len(results)} entries) in {time.monotonic() - t0:.0f} s; copy bandwidth {bw / 1e9:.0f} GB/s")
+    print(f"\nwrote {out} ({len(results)} entries tuned, {len(table) - 1 - len(results)} kept) in "
+          f"{time.monotonic() - t0:.0f} s; copy bandwidth {bw / 1e9:.0f} GB/s")
     print(f"{'M':>6} {'best_us':>9} {'default_us':>10} {'TFLOP/s':>8} {'GB/s':>7} {'experts':>7}  config")
     for m, r in results.items():
         print(f"{m:>6} {r['us']:>9.1f} {r['default_us']:>10.1f} {r['TFLOPs']:>8.1f} {r['GBps']:>7.0f} "

@@ -176,37 +176,56 @@ def test_moe_sum_kernel_compiles(dtype, has_add):
 # and the prefill tile; the w8a8 mode (one 128-channel K step, e4m3 dots accumulated in fp32) with the decode
 # tile and the 128-row prefill tile at the stages its launcher keeps (3 of the table's 4). The fp32 fp8 path
 # (oracle mode) runs under the interpreter test.
-@pytest.mark.parametrize("dtype,fp8,block_m,block_k,a_fp8,stages", [
-    ("bf16", False, 64, 64, False, 3), ("fp32", False, 64, 64, False, 3), ("bf16", True, 16, 256, False, 3),
-    ("bf16", True, 64, 64, False, 3), ("bf16", True, 16, 128, True, 3), ("bf16", True, 128, 128, True, 3)])
-def test_fused_moe_kernels_compile(dtype, fp8, block_m, block_k, a_fp8, stages):
+@pytest.mark.parametrize("dtype,fp8,block_m,block_k,a_fp8,stages,swap", [
+    ("bf16", False, 64, 64, False, 3, False), ("fp32", False, 64, 64, False, 3, False),
+    ("bf16", True, 16, 256, False, 3, False), ("bf16", True, 64, 64, False, 3, False),
+    ("bf16", True, 16, 128, True, 3, False), ("bf16", True, 128, 128, True, 3, False),
+    ("bf16", True, 16, 128, True, 3, True), ("bf16", True, 16, 128, True, 5, True)])
+def test_fused_moe_kernels_compile(dtype, fp8, block_m, block_k, a_fp8, stages, swap):
     from glm5_kernels.fused_moe import _moe_down_kernel, _moe_gate_up_kernel
     common = dict(sorted_ids_ptr="i32", block_expert_ptr="i32", total_ptr="i32")
     w = "fp8e4nv" if fp8 else dtype
     s = "fp32" if fp8 else dtype  # without fp8 the scale pointers are unused placeholders (the weights)
     tiles = dict(BLOCK_M=block_m, BLOCK_N=128 if block_m >= 64 or a_fp8 else 64, BLOCK_K=block_k, GROUP_M=8,
                  EVEN_K=True, IEEE=dtype == "fp32", W_FP8=fp8, SB=128, A_FP8=a_fp8, FP8_MAX_=448.0,
-                 MIN_AMAX_=1e-12, FP8_ACC=32)
+                 MIN_AMAX_=1e-12, FP8_ACC=32, SWAP_AB=swap)
     warps = 8 if block_m == 128 else 4
-    _compile(_moe_gate_up_kernel, dict(x_ptr=dtype, wg_ptr=w, wu_ptr=w, h_ptr=dtype, sg_ptr=s, su_ptr=s, **common),
-             dict(TOP_K=8, **tiles), floats=("limit",), num_warps=warps, num_stages=stages)
-    _compile(_moe_down_kernel, dict(h_ptr=dtype, wd_ptr=w, y_ptr=dtype, topk_w_ptr="fp32", sd_ptr=s, **common), tiles,
-             num_warps=warps, num_stages=stages)
+    kernels = [
+        _compile(_moe_gate_up_kernel, dict(x_ptr=dtype, wg_ptr=w, wu_ptr=w, h_ptr=dtype, sg_ptr=s, su_ptr=s, **common),
+                 dict(TOP_K=8, **tiles), floats=("limit",), num_warps=warps, num_stages=stages),
+        _compile(_moe_down_kernel, dict(h_ptr=dtype, wd_ptr=w, y_ptr=dtype, topk_w_ptr="fp32", sd_ptr=s, **common),
+                 tiles, num_warps=warps, num_stages=stages)]
+    if swap:
+        for kernel in kernels:
+            _assert_native_fp8_wgmma(kernel)
 
 
-@pytest.mark.parametrize("dtype,block_m,block_n,block_k,split,bias,a_fp8,pdl", [
-    ("bf16", 16, 16, 256, 1, False, False, False), ("bf16", 16, 64, 256, 4, True, False, False),
-    ("bf16", 64, 128, 256, 1, True, False, False), ("bf16", 16, 128, 128, 1, False, True, False),
-    ("bf16", 64, 64, 128, 2, True, True, False), ("bf16", 16, 16, 32, 1, False, True, False),
-    ("bf16", 64, 128, 128, 8, False, True, False), ("bf16", 16, 128, 128, 4, False, True, True)])
-def test_fp8_gemv_kernel_compiles(dtype, block_m, block_n, block_k, split, bias, a_fp8, pdl):
-    """W8A16 tiles, and the w8a8 GEMV's (one 128-channel group per K step, or the 32-wide minimum); with PDL."""
+def _assert_native_fp8_wgmma(kernel) -> None:
+    """The swapped w8a8 dot (``fp8_linear.w8a8_dot``) must compile to Hopper's warpgroup MMA on the e4m3 tiles as
+    loaded: the 16-row orientation compiles to ``mma.sync`` with every weight widened to fp16 first."""
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx, "no e4m3 warpgroup MMA in the swapped kernel"
+    assert "cvt.rn.f16x2.e4m3x2" not in ptx, "the swapped kernel widens e4m3 tiles before the MMA"
+
+
+@pytest.mark.parametrize("dtype,block_m,block_n,block_k,split,bias,a_fp8,pdl,swap", [
+    ("bf16", 16, 16, 256, 1, False, False, False, False), ("bf16", 16, 64, 256, 4, True, False, False, False),
+    ("bf16", 64, 128, 256, 1, True, False, False, False), ("bf16", 16, 128, 128, 1, False, True, False, False),
+    ("bf16", 64, 64, 128, 2, True, True, False, False), ("bf16", 16, 16, 32, 1, False, True, False, False),
+    ("bf16", 64, 128, 128, 8, False, True, False, False), ("bf16", 16, 128, 128, 4, False, True, True, False),
+    ("bf16", 16, 128, 128, 1, False, True, False, True), ("bf16", 16, 64, 128, 4, True, True, False, True),
+    ("bf16", 16, 128, 128, 2, False, True, True, True)])
+def test_fp8_gemv_kernel_compiles(dtype, block_m, block_n, block_k, split, bias, a_fp8, pdl, swap):
+    """W8A16 tiles, and the w8a8 GEMV's (one 128-channel group per K step, or the 32-wide minimum); with PDL;
+    the w8a8 tiles also swapped (weights on the MMA's M side, ``SWAP_AB``)."""
     from glm5_kernels.fp8_linear import _fp8_gemv_kernel
-    _compile(_fp8_gemv_kernel, dict(x_ptr=dtype, w_ptr="fp8e4nv", s_ptr="fp32", y_ptr=dtype if split == 1 else "fp32",
-                                    b_ptr=dtype if bias else "fp32"),
-             dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, SB=128, HAS_BIAS=bias,
-                  EVEN_K=True, IEEE=dtype == "fp32", A_FP8=a_fp8, FP8_MAX_=448.0, MIN_AMAX_=1e-12, FP8_ACC=32,
-                  USE_PDL=pdl), num_stages=4)
+    kernel = _compile(_fp8_gemv_kernel, dict(x_ptr=dtype, w_ptr="fp8e4nv", s_ptr="fp32",
+                                             y_ptr=dtype if split == 1 else "fp32", b_ptr=dtype if bias else "fp32"),
+                      dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, SB=128, HAS_BIAS=bias,
+                           EVEN_K=True, IEEE=dtype == "fp32", A_FP8=a_fp8, FP8_MAX_=448.0, MIN_AMAX_=1e-12,
+                           FP8_ACC=32, SWAP_AB=swap, USE_PDL=pdl), num_stages=4)
+    if swap:
+        _assert_native_fp8_wgmma(kernel)
 
 
 @pytest.mark.parametrize("block_m,block_n,block_k,split,pdl", [(1, 16, 512, 1, False), (1, 8, 512, 2, False),

@@ -67,9 +67,10 @@ INTERPRETER_CODE = textwrap.dedent("""
             out[f"gemv m{m} n{bn} k{bk} s{split}"] = rel(fl.fp8_linear(x, wq, s, bias, impl={"impl": "gemv", **cfg}), ref)
         # the w8a8 GEMV (activation tiles quantised in the kernel) on exactly quantisable fp16 rows
         xe = exact_rows(m, k)
-        for bn, split in ((32, 1), (16, 3)):
-            cfg = {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": split, "num_warps": 4, "num_stages": 2}
-            out16[f"gemv_w8a8 m{m} n{bn} s{split}"] = rel(
+        for bn, split, swap in ((32, 1, 0), (16, 3, 0), (64, 1, 1), (64, 2, 1)):
+            cfg = {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": split, "num_warps": 4, "num_stages": 2,
+                   "SWAP_AB": swap}
+            out16[f"gemv_w8a8 m{m} n{bn} s{split} swap{swap}"] = rel(
                 fl.fp8_linear(xe, wq, s, bias.half(), impl={"impl": "gemv_w8a8", **cfg}),
                 w8a8_linear_ref(xe.double(), wq, s, bias.half().double()))
         for bm, bn, bk, split in ((1, 32, 64, 1), (4, 16, 128, 3), (2, 64, 32, 2), (4, 8, 256, 1)):
@@ -123,13 +124,14 @@ INTERPRETER_CODE = textwrap.dedent("""
                                5.0)
     he = exact_rows(t * kk, i)
     y_ref = torch.einsum("pk,pnk->pn", he.double(), wd[2][pe]) * w.reshape(-1, 1).double()
-    for bn in (32, 64):  # BLOCK_SIZE_K is one 128-channel group in the w8a8 mode whatever the config says
+    for bn, swap in ((32, 0), (64, 0), (64, 1)):  # BLOCK_SIZE_K is one 128-channel group in the w8a8 mode
         cfg = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1, "num_warps": 4,
-               "num_stages": 2, "A_FP8": 1}
+               "num_stages": 2, "A_FP8": 1, "SWAP_AB": swap}
         r = align_routing(ids, e, 16)
-        out16[f"moe w8a8 gate_up n{bn}"] = rel(moe_gate_up(xe, ws[0][0], ws[1][0], r, kk, 5.0, cfg,
-                                                           scales=(ws[0][1], ws[1][1])), h_ref)
-        out16[f"moe w8a8 down n{bn}"] = rel(moe_down(he, ws[2][0], w.reshape(-1), r, cfg, scale=ws[2][1]), y_ref)
+        out16[f"moe w8a8 gate_up n{bn} swap{swap}"] = rel(moe_gate_up(xe, ws[0][0], ws[1][0], r, kk, 5.0, cfg,
+                                                                      scales=(ws[0][1], ws[1][1])), h_ref)
+        out16[f"moe w8a8 down n{bn} swap{swap}"] = rel(moe_down(he, ws[2][0], w.reshape(-1), r, cfg, scale=ws[2][1]),
+                                                       y_ref)
     print("RESULTS", out, out16)
     assert max(out.values()) < 1e-5, out
     assert max(out16.values()) < 1e-3, out16   # fp16 output rounding: 2^-11 relative at most
@@ -259,8 +261,10 @@ def test_fp8_gemv_w8a8_matches_reference_gpu(n, k):
     for m in (1, 4, 16, 64):
         x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
         ref8, ref16 = w8a8_linear_ref(x, w8, s), fp8_linear_ref(x, w8, s)
-        for split in (1, 4):
-            cfg = {**fl.default_gemv_config(m, n, k), "impl": "gemv_w8a8", "SPLIT_K": split}
+        base = fl.default_gemv_config(m, n, k)
+        for cfg in ({**base, "SPLIT_K": 1}, {**base, "SPLIT_K": 4}, {**base, "BLOCK_N": 64, "SPLIT_K": 1, "SWAP_AB": 1},
+                    {**base, "BLOCK_N": 128, "SPLIT_K": 2, "num_stages": 5, "SWAP_AB": 1}):
+            cfg["impl"] = "gemv_w8a8"
             got = fl.fp8_linear(x, w8, s, impl=cfg)
             assert got.dtype == torch.bfloat16 and _rel(got, ref8) < W8A8_BOUND, (m, cfg, _rel(got, ref8))
             assert _rel(got, ref16) < W8A8_VS_W8A16_BOUND, (m, cfg, _rel(got, ref16))
@@ -338,10 +342,12 @@ def test_fused_moe_fp8_matches_reference_gpu(t, a_fp8):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("swap", [0, 1])
 @pytest.mark.parametrize("t", [1, 8, 64])
-def test_fused_moe_w8a8_stages_match_float64_gpu(t):
+def test_fused_moe_w8a8_stages_match_float64_gpu(t, swap):
     """Each kernel of the MoE's w8a8 mode alone: gate/up + SwiGLU on x quantised by the reference rule, and down
-    on the kernel's own h quantised by that rule, against float64 products of the dequantised operands."""
+    on the kernel's own h quantised by that rule, against float64 products of the dequantised operands; with the
+    table's tiles and with the dots swapped (``SWAP_AB``, 64-wide strips)."""
     from glm5_kernels.fp8_ref import dequantize_fp8_block, per_token_group_quant_fp8_ref, quantize_fp8_block
     from glm5_kernels.fused_moe import align_routing, get_config, moe_down, moe_gate_up
     from glm5_kernels.moe_ref import clamped_swiglu_ref
@@ -361,6 +367,8 @@ def test_fused_moe_w8a8_stages_match_float64_gpu(t):
     ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=-1).indices
     w = torch.rand(t, k, device="cuda", generator=g)
     cfg = {**get_config(t, k, e, h, i, torch.bfloat16, x.device, fp8_weights=True), "A_FP8": 1}
+    if swap:
+        cfg = {**cfg, "BLOCK_SIZE_N": 64, "SWAP_AB": 1, "down": {}}
     routing = align_routing(ids, e, cfg["BLOCK_SIZE_M"])
     hk = moe_gate_up(x, ws[0][0], ws[1][0], routing, k, 10.0, cfg, scales=(ws[0][1], ws[1][1]))
     yk = moe_down(hk, ws[2][0], w.reshape(-1), routing, cfg, scale=ws[2][1])

@@ -111,19 +111,37 @@ def quantize_rows(a, FP8_MAX_: tl.constexpr, MIN_AMAX_: tl.constexpr):
 
 
 @triton.jit
+def w8a8_dot(a8, b, sa, FP8_ACC: tl.constexpr, SWAP_AB: tl.constexpr):
+    """One K tile's e4m3 product ``a8 [BM, BK] · b [BK, BN]`` scaled by the activation rows' scales ``sa [BM]``:
+    ``[BM, BN]``, or with ``SWAP_AB`` its transpose ``[BN, BM]`` computed as ``bᵀ · a8ᵀ``. The swap puts the
+    weight strip on the MMA's M side, which Hopper's warpgroup MMA needs to be at least 64 rows: a decode
+    batch of 1-16 rows padded to the 64-row M side would otherwise keep the fp8 dot on the older
+    ``mma.sync`` path."""
+    if SWAP_AB:
+        p = tl.dot(tl.trans(b), tl.trans(a8), max_num_imprecise_acc=FP8_ACC) * sa[None, :]
+    else:
+        p = tl.dot(a8, b, max_num_imprecise_acc=FP8_ACC) * sa[:, None]
+    return p
+
+
+@triton.jit
 def _gemv_dot_step(acc, a, b, sc, s_base, kt, x_ptr, SB: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                   A_FP8: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_AMAX_: tl.constexpr, FP8_ACC: tl.constexpr):
+                   A_FP8: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_AMAX_: tl.constexpr, FP8_ACC: tl.constexpr,
+                   SWAP_AB: tl.constexpr):
     """``acc`` plus one K tile's product in :func:`_fp8_gemv_kernel`: the weight scales folded into the
     activation and the e4m3 tile widened to its dtype, or (``A_FP8``) the activation quantised per row and
-    e4m3 x e4m3 scaled by ``s_x[m] · s_w``."""
+    e4m3 x e4m3 scaled by ``s_x[m] · s_w`` (``SWAP_AB``: ``acc`` is ``[BLOCK_N, BLOCK_M]``, :func:`w8a8_dot`)."""
     if A_FP8:
         a8, sa = quantize_rows(a, FP8_MAX_, MIN_AMAX_)
         sw = tl.load(s_base + (kt * BLOCK_K) // SB)
-        return acc + tl.dot(a8, b, max_num_imprecise_acc=FP8_ACC) * (sa[:, None] * sw)
-    a = (a.to(tl.float32) * sc[None, :]).to(x_ptr.dtype.element_ty)
-    if IEEE:
-        return tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b.to(x_ptr.dtype.element_ty), acc)
+        acc += w8a8_dot(a8, b, sa, FP8_ACC, SWAP_AB) * sw
+    else:
+        a = (a.to(tl.float32) * sc[None, :]).to(x_ptr.dtype.element_ty)
+        if IEEE:
+            acc = tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b.to(x_ptr.dtype.element_ty), acc)
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -134,12 +152,12 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                      SB: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                      A_FP8: tl.constexpr = False, FP8_MAX_: tl.constexpr = 448.0, MIN_AMAX_: tl.constexpr = 1e-12,
-                     FP8_ACC: tl.constexpr = 32, USE_PDL: tl.constexpr = False):
+                     FP8_ACC: tl.constexpr = 32, SWAP_AB: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """y[m, g, n] (+ split k's partial) = Σ_k x[m, g, k] · w[g, n, k] · s[g, n // SB, k // SB] (+ bias[n]).
 
     Grid: (cdiv(M, BLOCK_M) · cdiv(N, BLOCK_N), SPLIT_K, G). BLOCK_N divides SB, so a strip has one scale row.
     ``A_FP8`` (``gemv_w8a8``): x is quantised per row and K tile (BLOCK_K = one 128-channel group, or all of
-    a K below 128) and multiplied e4m3 x e4m3."""
+    a K below 128) and multiplied e4m3 x e4m3; with ``SWAP_AB`` as ``wᵀ · xᵀ`` (:func:`w8a8_dot`)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     g = tl.program_id(2).to(tl.int64)
@@ -163,15 +181,20 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr,
     # while the preceding kernel finishes; masked: the last split may be empty
     b, sc = _w_tile(w_base, s_base, kt0 * BLOCK_K + offs_k, K, SB, False, True)
     pdl_enter(USE_PDL)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if kt0 < kt1:
         acc = _gemv_dot_step(acc, _x_tile(x_base, kt0 * BLOCK_K + offs_k, m_ok, K, EVEN_K), b, sc, s_base, kt0,
-                             x_ptr, SB, BLOCK_K, IEEE, A_FP8, FP8_MAX_, MIN_AMAX_, FP8_ACC)
+                             x_ptr, SB, BLOCK_K, IEEE, A_FP8, FP8_MAX_, MIN_AMAX_, FP8_ACC, SWAP_AB)
     for kt in range(kt0 + 1, kt1):
         kk = kt * BLOCK_K + offs_k
         b, sc = _w_tile(w_base, s_base, kk, K, SB, EVEN_K, True)
         acc = _gemv_dot_step(acc, _x_tile(x_base, kk, m_ok, K, EVEN_K), b, sc, s_base, kt, x_ptr, SB, BLOCK_K,
-                             IEEE, A_FP8, FP8_MAX_, MIN_AMAX_, FP8_ACC)
+                             IEEE, A_FP8, FP8_MAX_, MIN_AMAX_, FP8_ACC, SWAP_AB)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -372,6 +395,8 @@ def validate_entry(entry: dict[str, Any]) -> None:
     split = entry.get("SPLIT_K", 1)  # optional for w8a8 (entries written before it had a K split)
     if not isinstance(split, int) or split < 1:
         raise ValueError(f"fp8_linear table entry {entry}: SPLIT_K={split!r} must be a positive int")
+    if entry.get("SWAP_AB", 0) not in (0, 1) or (entry.get("SWAP_AB") and impl != "gemv_w8a8"):
+        raise ValueError(f"fp8_linear table entry {entry}: SWAP_AB must be 0 or 1, and 1 only for gemv_w8a8")
     if impl in (*GEMV_IMPLS, "w8a8") and (entry["BLOCK_N"] > BLOCK or BLOCK % entry["BLOCK_N"]):
         raise ValueError(f"fp8_linear table entry {entry}: BLOCK_N must divide {BLOCK} (one scale row per strip)")
 
@@ -479,7 +504,8 @@ def _gemv(x3: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor
         y.stride(-3), y.stride(-2),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SB=BLOCK, HAS_BIAS=bias is not None,
         EVEN_K=k % bk == 0, IEEE=x3.dtype == torch.float32, A_FP8=a_fp8, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX,
-        FP8_ACC=fp8_dot_acc(bk), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(x3.device))
+        FP8_ACC=fp8_dot_acc(bk), SWAP_AB=a_fp8 and bool(cfg.get("SWAP_AB", 0)), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **pdl_kwargs(x3.device))
     return y if split == 1 else split_sum(y, out_dtype)
 
 
@@ -627,6 +653,6 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torc
 
 __all__ = ["CONFIG_DIR", "FP8_DOT_ACC", "GEMV_IMPLS", "GEMV_MAX_M", "IMPLS", "W8A8_SPLIT_MAX_M",
            "default_gemv_config", "default_impl", "default_w8a8_config", "fp8_dot_acc", "fp8_gemv", "fp8_head_linear",
-           "fp8_linear", "group_tile_k", "load_table", "per_token_group_quant_fp8", "quantize_rows",
+           "fp8_linear", "group_tile_k", "load_table", "w8a8_dot", "per_token_group_quant_fp8", "quantize_rows",
            "scaled_mm_block_supported", "scaled_mm_linear", "select_impl", "split_sum", "table_file_name",
            "validate_entry", "w8a8_gemm"]

@@ -52,7 +52,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,7 +60,8 @@ import torch
 import triton
 import triton.language as tl
 
-from glm5_kernels.fp8_linear import fp8_dot_acc, group_tile_k, quantize_rows
+from glm5_kernels.device import interpreting
+from glm5_kernels.fp8_linear import fp8_dot_acc, group_tile_k, quantize_rows, w8a8_dot
 from glm5_kernels.fp8_ref import FP8_MAX, MIN_AMAX
 from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
@@ -71,6 +71,8 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on H100/H200
 TILE_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 CONFIG_KEYS = ("BLOCK_SIZE_M",) + TILE_KEYS
+#: What a config's ``down`` dict may override: the tiles, and whether the w8a8 dot runs swapped (``SWAP_AB``).
+DOWN_KEYS = (*TILE_KEYS, "SWAP_AB")
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_BLOCK = 128
@@ -155,7 +157,7 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ali
     most ``MAX_PAIRS`` (token, slot) pairs and lives on CUDA (decode); the torch ops otherwise."""
     from glm5_kernels.moe_align import MAX_PAIRS, moe_align_small
     n = topk_ids.numel()
-    if n == 0 or n > MAX_PAIRS or not (topk_ids.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if n == 0 or n > MAX_PAIRS or not (topk_ids.is_cuda or interpreting()):
         return moe_align_block_size(topk_ids, num_experts, block_m)
     sorted_ids, block_expert, total = moe_align_small(topk_ids, num_experts, block_m,
                                                       max_padded_rows(n, num_experts, block_m))
@@ -198,10 +200,11 @@ def _moe_gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ids_ptr, block_expe
                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                         W_FP8: tl.constexpr = False, SB: tl.constexpr = 128, A_FP8: tl.constexpr = False,
                         FP8_MAX_: tl.constexpr = 448.0, MIN_AMAX_: tl.constexpr = 1e-12, FP8_ACC: tl.constexpr = 32,
-                        USE_PDL: tl.constexpr = False):
+                        SWAP_AB: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """h[pair, n] = clamped_swiglu(x[token] · W_gate[e, n], x[token] · W_up[e, n]); N = I, K = H.
     ``W_FP8``: the weights are e4m3 with block scales ``s[e, n // SB, k // SB]`` (BLOCK_N divides SB).
-    ``A_FP8`` (with ``W_FP8``): the x tile is quantised per row and K tile (BLOCK_K = SB, or all of a smaller K)."""
+    ``A_FP8`` (with ``W_FP8``): the x tile is quantised per row and K tile (BLOCK_K = SB, or all of a smaller K);
+    ``SWAP_AB`` (with ``A_FP8``): the accumulators are ``[BLOCK_N, BLOCK_M]`` (``fp8_linear.w8a8_dot``)."""
     pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     pid_m, pid_n = _block_coords(pid, num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -219,8 +222,12 @@ def _moe_gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ids_ptr, block_expe
     g_ptrs = wg_ptr + w_off
     u_ptrs = wu_ptr + w_off
     s_off = expert * stride_se + ((pid_n * BLOCK_N) // SB) * stride_sn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - kb * BLOCK_K
         if EVEN_K:
@@ -236,8 +243,8 @@ def _moe_gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ids_ptr, block_expe
             s_k = (kb * BLOCK_K) // SB
             sg = tl.load(sg_ptr + s_off + s_k)
             su = tl.load(su_ptr + s_off + s_k)
-            acc_g += tl.dot(a8, bg, max_num_imprecise_acc=FP8_ACC) * (sa[:, None] * sg)
-            acc_u += tl.dot(a8, bu, max_num_imprecise_acc=FP8_ACC) * (sa[:, None] * su)
+            acc_g += w8a8_dot(a8, bg, sa, FP8_ACC, SWAP_AB) * sg
+            acc_u += w8a8_dot(a8, bu, sa, FP8_ACC, SWAP_AB) * su
         elif W_FP8:
             kk = kb * BLOCK_K + offs_k
             ag = _fold_scales(a, sg_ptr + s_off, kk, k_ok, EVEN_K, SB)
@@ -257,6 +264,9 @@ def _moe_gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ids_ptr, block_expe
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if SWAP_AB:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
     g = tl.minimum(acc_g, limit)
     u = tl.minimum(tl.maximum(acc_u, -limit), limit)
     hid = g * tl.sigmoid(g) * u
@@ -272,9 +282,9 @@ def _moe_down_kernel(h_ptr, wd_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr, block_exp
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                      W_FP8: tl.constexpr = False, SB: tl.constexpr = 128, A_FP8: tl.constexpr = False,
                      FP8_MAX_: tl.constexpr = 448.0, MIN_AMAX_: tl.constexpr = 1e-12, FP8_ACC: tl.constexpr = 32,
-                     USE_PDL: tl.constexpr = False):
-    """y[pair, n] = w[pair] · (h[pair] · W_down[e, n]); N = H, K = I (``W_FP8``, ``A_FP8`` as in the gate/up
-    kernel: with ``A_FP8`` the h tile is quantised)."""
+                     SWAP_AB: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+    """y[pair, n] = w[pair] · (h[pair] · W_down[e, n]); N = H, K = I (``W_FP8``, ``A_FP8``, ``SWAP_AB`` as in the
+    gate/up kernel: with ``A_FP8`` the h tile is quantised)."""
     pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     pid_m, pid_n = _block_coords(pid, num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -289,7 +299,10 @@ def _moe_down_kernel(h_ptr, wd_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr, block_exp
     a_ptrs = h_ptr + rows64[:, None] * stride_hm + offs_k[None, :]
     b_ptrs = wd_ptr + expert * stride_we + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
     s_off = expert * stride_se + ((pid_n * BLOCK_N) // SB) * stride_sn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - kb * BLOCK_K
         if EVEN_K:
@@ -301,7 +314,7 @@ def _moe_down_kernel(h_ptr, wd_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr, block_exp
         if A_FP8:
             a8, sa = quantize_rows(a, FP8_MAX_, MIN_AMAX_)
             sd = tl.load(sd_ptr + s_off + (kb * BLOCK_K) // SB)
-            acc += tl.dot(a8, b, max_num_imprecise_acc=FP8_ACC) * (sa[:, None] * sd)
+            acc += w8a8_dot(a8, b, sa, FP8_ACC, SWAP_AB) * sd
         elif W_FP8:
             a = _fold_scales(a, sd_ptr + s_off, kb * BLOCK_K + offs_k, k_ok, EVEN_K, SB)
             if IEEE:
@@ -314,6 +327,8 @@ def _moe_down_kernel(h_ptr, wd_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr, block_exp
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if SWAP_AB:
+        acc = tl.trans(acc)
     w = tl.load(topk_w_ptr + rows64, mask=row_ok, other=0.0)
     acc = acc * w[:, None]
     y_ptrs = y_ptr + rows64[:, None] * stride_ym + offs_n[None, :]
@@ -390,9 +405,12 @@ def validate_config(cfg: dict[str, Any]) -> None:
                 raise ValueError(f"fused_moe config {key}={v!r}: must be a positive int")
     if cfg.get("A_FP8", 0) not in (0, 1):
         raise ValueError(f"fused_moe config A_FP8={cfg['A_FP8']!r}: must be 0 (fp8 weights only) or 1 (w8a8)")
-    unknown = set(cfg.get("down", {})) - set(TILE_KEYS)
+    for src in (cfg, cfg.get("down", {})):
+        if src.get("SWAP_AB", 0) not in (0, 1):
+            raise ValueError(f"fused_moe config SWAP_AB={src['SWAP_AB']!r}: must be 0 or 1 (w8a8 dots as wᵀ · aᵀ)")
+    unknown = set(cfg.get("down", {})) - set(DOWN_KEYS)
     if unknown:
-        raise ValueError(f"fused_moe config 'down' has keys {sorted(unknown)}; only {', '.join(TILE_KEYS)} "
+        raise ValueError(f"fused_moe config 'down' has keys {sorted(unknown)}; only {', '.join(DOWN_KEYS)} "
                          "may differ (BLOCK_SIZE_M is shared by the alignment)")
 
 
@@ -519,7 +537,8 @@ def moe_gate_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, routi
         TOP_K=top_k, BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=hidden % bk == 0, IEEE=x.dtype == torch.float32, W_FP8=scales is not None, SB=FP8_BLOCK,
         A_FP8=a_fp8, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX,
-        FP8_ACC=fp8_dot_acc(bk), num_warps=cfg["num_warps"], num_stages=stages, **pdl_kwargs(x.device))
+        FP8_ACC=fp8_dot_acc(bk), SWAP_AB=a_fp8 and bool(cfg.get("SWAP_AB", 0)), num_warps=cfg["num_warps"],
+        num_stages=stages, **pdl_kwargs(x.device))
     return h
 
 
@@ -581,14 +600,15 @@ def moe_down(h: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, 
         BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=inter % bk == 0, IEEE=h.dtype == torch.float32, W_FP8=scale is not None, SB=FP8_BLOCK,
         A_FP8=a_fp8, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX,
-        FP8_ACC=fp8_dot_acc(bk), num_warps=cfg["num_warps"], num_stages=stages, **pdl_kwargs(h.device))
+        FP8_ACC=fp8_dot_acc(bk), SWAP_AB=a_fp8 and bool(cfg.get("SWAP_AB", 0)), num_warps=cfg["num_warps"],
+        num_stages=stages, **pdl_kwargs(h.device))
     return y
 
 
 def down_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The second kernel's tiles: ``cfg`` with its optional ``down`` overrides applied (``A_FP8`` kept: both
     kernels quantise their activations or neither does)."""
-    shared = {k: cfg[k] for k in (*CONFIG_KEYS, "A_FP8") if k in cfg}
+    shared = {k: cfg[k] for k in (*CONFIG_KEYS, "A_FP8", "SWAP_AB") if k in cfg}
     return {**shared, **cfg.get("down", {})}
 
 

@@ -50,6 +50,8 @@ import os
 
 import torch
 
+from glm5_kernels.device import interpreting
+
 logger = logging.getLogger(__name__)
 
 KDA_CHOICES = ("auto", "torch", "fla")
@@ -214,11 +216,6 @@ def _sparse_width_error(latent_width: int | None) -> str | None:
 
 
 TRITON_DTYPES = (torch.bfloat16, torch.float32)  # what the index / MoE / mHC kernels are written and tested for
-
-
-def interpreting() -> bool:
-    """``TRITON_INTERPRET=1``: Triton kernels run on the CPU through the interpreter (tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _triton_or_torch(name: str, choices: tuple[str, ...], device: torch.device,
