@@ -600,7 +600,7 @@ def main() -> int:
                ("index", backends.index_backend), ("moe", backends.moe_backend),
                ("fp8_linear", backends.fp8_linear_backend))}}
     from glm5_kernels.pdl import pdl_enabled
-    res["backends"]["pdl"] = pdl_enabled(torch.device("cuda"))   # GLM5_PDL=1 turns programmatic launch on
+    res["backends"]["pdl"] = pdl_enabled(torch.device("cuda"))   # programmatic launch: on by default, GLM5_PDL=0 off
     from glm5.config import ModelConfig
     from glm5.weights.memory import memory_table
     res["memory"] = memory_table(ModelConfig.from_dict(json.loads(

@@ -21,11 +21,14 @@ from glm5_kernels import device, pdl
 KERNELS = Path(__file__).resolve().parent.parent / "kernels" / "glm5_kernels"
 
 
-def test_pdl_off_by_default_and_without_a_hopper_gpu(monkeypatch):
+def test_pdl_on_by_default_on_hopper_only(monkeypatch):
     monkeypatch.delenv(pdl.ENV, raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(device, "_capability", lambda index: (9, 0))
-    assert pdl.pdl_kwargs(torch.device("cuda", 0)) == {}                 # opt-in
+    assert pdl.pdl_kwargs(torch.device("cuda", 0)) == {"USE_PDL": True, "launch_pdl": True}   # the default
+    monkeypatch.setattr(device, "_capability", lambda index: (8, 0))
+    assert pdl.pdl_kwargs(torch.device("cuda", 0)) == {}                 # before Hopper: no griddepcontrol
+    monkeypatch.setattr(device, "_capability", lambda index: (9, 0))
     monkeypatch.setenv(pdl.ENV, "1")
     assert pdl.pdl_kwargs(torch.device("cpu")) == {}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -35,7 +38,7 @@ def test_pdl_off_by_default_and_without_a_hopper_gpu(monkeypatch):
     assert not pdl.pdl_enabled(torch.device("cuda", 0))
 
 
-def test_pdl_on_for_sm90_when_asked(monkeypatch):
+def test_pdl_on_for_sm90_unless_turned_off(monkeypatch):
     monkeypatch.setenv(pdl.ENV, "1")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(device, "_capability", lambda index: (9, 0))

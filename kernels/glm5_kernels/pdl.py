@@ -13,11 +13,11 @@ touches memory that an earlier kernel may write (or read: a later write must not
 exit, so that its completion still implies its predecessor's. Each kernel takes a ``USE_PDL`` constexpr; its
 launcher passes :func:`pdl_kwargs`, which sets that constexpr and the launch flag together.
 
-It is opt-in: ``GLM5_PDL=1`` turns it on (on GPUs of compute capability >= 9.0, never under the Triton
-interpreter). End to end the measurements disagree: on one H200 lease a b1 bf16 decode step took 2.709 ms with
-PDL (the full grid) and 2.427 ms without it (a later run on the same lease); on another lease, with PDL, 2.336 ms.
-Until one process measures both alternately (``bench/pdl_ab.py``), every launch is the ordinary, fully
-serialised one by default (bench/results/limits.md).
+It is on by default on GPUs of compute capability >= 9.0 (never under the Triton interpreter); ``GLM5_PDL=0``
+turns it off. Separate runs disagreed on its effect end to end (leases and minutes apart differ by more than
+PDL moves a step), so ``bench/pdl_ab.py`` captures the decode step with and without it on one Setup and times
+the two graphs in alternating pairs: on the H200 (2026-12-03) PDL made the batch-1 step 2.2 % (bf16) and 4.9 %
+(fp8) faster and left batch 64 within 0.5 % (bench/results/pdl_ab_h200.json).
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ ENV = "GLM5_PDL"
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether launches on ``device`` use PDL: ``GLM5_PDL=1``, a CUDA device of compute capability >= 9.0, a
-    Triton with the griddepcontrol wrappers (3.4 and newer), and not the interpreter."""
-    if not HAVE_GDC or device.type != "cuda" or os.environ.get(ENV, "0") != "1" or interpreting():
+    """Whether launches on ``device`` use PDL: not turned off (``GLM5_PDL=0``), a CUDA device of compute capability
+    >= 9.0, a Triton with the griddepcontrol wrappers (3.4 and newer), and not the interpreter."""
+    if not HAVE_GDC or device.type != "cuda" or os.environ.get(ENV, "1") == "0" or interpreting():
         return False
     cap = compute_capability(device)
     return cap is not None and cap[0] >= 9
