@@ -216,9 +216,9 @@ def time_shape(name: str, n: int, k: int, ms: list[int], deadline: float, log) -
                 {"impl": "gemv", "BLOCK_M": default["BLOCK_M"], "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp,
                  "num_warps": nw, "num_stages": st} for bn, bk, sp, nw, st in GEMV_CANDIDATES]
             cfgs += [{"impl": "gemv_w8a8", "BLOCK_M": default["BLOCK_M"], "BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": sp,
-                      "num_warps": nw, "num_stages": st} for bn, sp, nw, st in W8A8_GEMV_CANDIDATES]
-            cfgs += [{"impl": "gemv_w8a8", "BLOCK_M": default["BLOCK_M"], "BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": sp,
-                      "num_warps": nw, "num_stages": st, "SWAP_AB": 1} for bn, sp, nw, st in SWAP_GEMV_CANDIDATES]
+                      "num_warps": nw, "num_stages": st, "SWAP_AB": swap}
+                     for swap, cands in ((0, W8A8_GEMV_CANDIDATES), (1, SWAP_GEMV_CANDIDATES))
+                     for bn, sp, nw, st in cands]
         if m <= 4:
             cfgs += [{"impl": "gemv_fma", "BLOCK_M": m, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "num_warps": nw,
                       "num_stages": st} for bn, bk, sp, nw, st in FMA_CANDIDATES]

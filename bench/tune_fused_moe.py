@@ -294,12 +294,11 @@ def main() -> None:
     table: dict[str, Any] = {m: c for m, c in old.items() if not m.startswith("_")}
     table.update({str(m): r["config"] for m, r in results.items()})
     table = dict(sorted(table.items(), key=lambda kv: int(kv[0])))
-    kept = {m: r for m, r in old.get("_meta", {}).get("results", {}).items() if m in table}
     table["_meta"] = {"top_k": k, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": triton.__version__, "budget_s": args.budget_s, "copy_GBps": bw / 1e9,
                       "tuned_ms": sorted(results),
-                      "results": {**kept, **{str(m): {kk: v for kk, v in r.items() if kk != "config"}
-                                             for m, r in results.items()}}}
+                      "results": {**old.get("_meta", {}).get("results", {}),
+                                  **{str(m): {kk: v for kk, v in r.items() if kk != "config"} for m, r in results.items()}}}
     out.write_text(json.dumps(table, indent=1) + "\n")
     print(f"\nwrote {out} ({len(results)} entries tuned, {len(table) - 1 - len(results)} kept) in "
           f"{time.monotonic() - t0:.0f} s; copy bandwidth {bw / 1e9:.0f} GB/s")

@@ -125,6 +125,30 @@ def w8a8_dot(a8, b, sa, FP8_ACC: tl.constexpr, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
+def w8a8_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """A zero fp32 accumulator for :func:`w8a8_dot`'s products: ``[BLOCK_M, BLOCK_N]``, transposed with ``SWAP_AB``."""
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def w8a8_rows(acc, SWAP_AB: tl.constexpr):
+    """:func:`w8a8_acc`'s accumulator as ``[BLOCK_M, BLOCK_N]`` rows for the epilogue (one transpose after the K
+    loop when the dots ran swapped)."""
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    return acc
+
+
+def swap_ab(cfg: dict[str, Any], a_fp8: bool) -> bool:
+    """A launch's ``SWAP_AB``: the config asks for it and the dots run w8a8 (a widened W8A16 tile is never swapped)."""
+    return a_fp8 and bool(cfg.get("SWAP_AB", 0))
+
+
+@triton.jit
 def _gemv_dot_step(acc, a, b, sc, s_base, kt, x_ptr, SB: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
                    A_FP8: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_AMAX_: tl.constexpr, FP8_ACC: tl.constexpr,
                    SWAP_AB: tl.constexpr):
@@ -181,10 +205,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr,
     # while the preceding kernel finishes; masked: the last split may be empty
     b, sc = _w_tile(w_base, s_base, kt0 * BLOCK_K + offs_k, K, SB, False, True)
     pdl_enter(USE_PDL)
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = w8a8_acc(BLOCK_M, BLOCK_N, SWAP_AB)
     if kt0 < kt1:
         acc = _gemv_dot_step(acc, _x_tile(x_base, kt0 * BLOCK_K + offs_k, m_ok, K, EVEN_K), b, sc, s_base, kt0,
                              x_ptr, SB, BLOCK_K, IEEE, A_FP8, FP8_MAX_, MIN_AMAX_, FP8_ACC, SWAP_AB)
@@ -193,8 +214,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr,
         b, sc = _w_tile(w_base, s_base, kk, K, SB, EVEN_K, True)
         acc = _gemv_dot_step(acc, _x_tile(x_base, kk, m_ok, K, EVEN_K), b, sc, s_base, kt, x_ptr, SB, BLOCK_K,
                              IEEE, A_FP8, FP8_MAX_, MIN_AMAX_, FP8_ACC, SWAP_AB)
-    if SWAP_AB:
-        acc = tl.trans(acc)
+    acc = w8a8_rows(acc, SWAP_AB)
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -504,7 +524,7 @@ def _gemv(x3: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor
         y.stride(-3), y.stride(-2),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SB=BLOCK, HAS_BIAS=bias is not None,
         EVEN_K=k % bk == 0, IEEE=x3.dtype == torch.float32, A_FP8=a_fp8, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX,
-        FP8_ACC=fp8_dot_acc(bk), SWAP_AB=a_fp8 and bool(cfg.get("SWAP_AB", 0)), num_warps=cfg["num_warps"],
+        FP8_ACC=fp8_dot_acc(bk), SWAP_AB=swap_ab(cfg, a_fp8), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl_kwargs(x3.device))
     return y if split == 1 else split_sum(y, out_dtype)
 
@@ -653,6 +673,6 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torc
 
 __all__ = ["CONFIG_DIR", "FP8_DOT_ACC", "GEMV_IMPLS", "GEMV_MAX_M", "IMPLS", "W8A8_SPLIT_MAX_M",
            "default_gemv_config", "default_impl", "default_w8a8_config", "fp8_dot_acc", "fp8_gemv", "fp8_head_linear",
-           "fp8_linear", "group_tile_k", "load_table", "w8a8_dot", "per_token_group_quant_fp8", "quantize_rows",
+           "fp8_linear", "group_tile_k", "load_table", "swap_ab", "w8a8_acc", "w8a8_dot", "w8a8_rows", "per_token_group_quant_fp8", "quantize_rows",
            "scaled_mm_block_supported", "scaled_mm_linear", "select_impl", "split_sum", "table_file_name",
            "validate_entry", "w8a8_gemm"]

@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from glm5_kernels.device import interpreting
-from glm5_kernels.fp8_linear import fp8_dot_acc, group_tile_k, quantize_rows, w8a8_dot
+from glm5_kernels.fp8_linear import fp8_dot_acc, group_tile_k, quantize_rows, swap_ab, w8a8_acc, w8a8_dot, w8a8_rows
 from glm5_kernels.fp8_ref import FP8_MAX, MIN_AMAX
 from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
@@ -222,12 +222,8 @@ def _moe_gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ids_ptr, block_expe
     g_ptrs = wg_ptr + w_off
     u_ptrs = wu_ptr + w_off
     s_off = expert * stride_se + ((pid_n * BLOCK_N) // SB) * stride_sn
-    if SWAP_AB:
-        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g = w8a8_acc(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc_u = w8a8_acc(BLOCK_M, BLOCK_N, SWAP_AB)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - kb * BLOCK_K
         if EVEN_K:
@@ -264,11 +260,8 @@ def _moe_gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ids_ptr, block_expe
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    if SWAP_AB:
-        acc_g = tl.trans(acc_g)
-        acc_u = tl.trans(acc_u)
-    g = tl.minimum(acc_g, limit)
-    u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    g = tl.minimum(w8a8_rows(acc_g, SWAP_AB), limit)
+    u = tl.minimum(tl.maximum(w8a8_rows(acc_u, SWAP_AB), -limit), limit)
     hid = g * tl.sigmoid(g) * u
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, hid.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
@@ -299,10 +292,7 @@ def _moe_down_kernel(h_ptr, wd_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr, block_exp
     a_ptrs = h_ptr + rows64[:, None] * stride_hm + offs_k[None, :]
     b_ptrs = wd_ptr + expert * stride_we + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
     s_off = expert * stride_se + ((pid_n * BLOCK_N) // SB) * stride_sn
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = w8a8_acc(BLOCK_M, BLOCK_N, SWAP_AB)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - kb * BLOCK_K
         if EVEN_K:
@@ -327,10 +317,8 @@ def _moe_down_kernel(h_ptr, wd_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr, block_exp
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if SWAP_AB:
-        acc = tl.trans(acc)
     w = tl.load(topk_w_ptr + rows64, mask=row_ok, other=0.0)
-    acc = acc * w[:, None]
+    acc = w8a8_rows(acc, SWAP_AB) * w[:, None]
     y_ptrs = y_ptr + rows64[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
 
@@ -537,7 +525,7 @@ def moe_gate_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, routi
         TOP_K=top_k, BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=hidden % bk == 0, IEEE=x.dtype == torch.float32, W_FP8=scales is not None, SB=FP8_BLOCK,
         A_FP8=a_fp8, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX,
-        FP8_ACC=fp8_dot_acc(bk), SWAP_AB=a_fp8 and bool(cfg.get("SWAP_AB", 0)), num_warps=cfg["num_warps"],
+        FP8_ACC=fp8_dot_acc(bk), SWAP_AB=swap_ab(cfg, a_fp8), num_warps=cfg["num_warps"],
         num_stages=stages, **pdl_kwargs(x.device))
     return h
 
@@ -600,7 +588,7 @@ def moe_down(h: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, 
         BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=inter % bk == 0, IEEE=h.dtype == torch.float32, W_FP8=scale is not None, SB=FP8_BLOCK,
         A_FP8=a_fp8, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX,
-        FP8_ACC=fp8_dot_acc(bk), SWAP_AB=a_fp8 and bool(cfg.get("SWAP_AB", 0)), num_warps=cfg["num_warps"],
+        FP8_ACC=fp8_dot_acc(bk), SWAP_AB=swap_ab(cfg, a_fp8), num_warps=cfg["num_warps"],
         num_stages=stages, **pdl_kwargs(h.device))
     return y
 
