@@ -11,7 +11,9 @@
    GEMVs (``gemv`` and ``gemv_w8a8``, plain and swapped, at a few tile configs for M <= 256, ``gemv_fma`` for M <= 4),
    ``_scaled_mm`` and the Triton w8a8 GEMM (M >= 16); CUDA-graph replay up to M = 256 (what decode runs),
    plain ``do_bench`` above. Reported: µs, fp8 bytes/µs, speedup of the best fp8 choice over bf16. Then the
-   fused MoE at ``--moe-tokens``: bf16 experts, fp8 experts widened (``A_FP8`` 0) and w8a8 (``A_FP8`` 1).
+   fused MoE at ``--moe-tokens``: bf16 experts, fp8 experts widened (``A_FP8`` 0) and the two w8a8 modes
+   (``A_FP8`` 1: activation tiles quantised in the kernels, 2: x and h quantised once); then the activation
+   quantiser at ``--quant-rows`` x 4096.
 3. ``--write-table``: the fastest fp8 implementation per (N, K, M) written to
    ``kernels/glm5_kernels/configs/fp8_linear_{device}.json`` (what ``glm5_kernels.fp8_linear.select_impl``
    reads; commit it), over the entries already there (M values this run did not time keep theirs). The same
@@ -175,13 +177,13 @@ def run_checks(log: Callable[[dict], None], shapes: list[tuple[str, int, int]] =
             x = torch.randn(t, h, device="cuda", generator=g).to(torch.bfloat16)
             ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=-1).indices
             w = torch.rand(t, k, device="cuda", generator=g)
-            for a_fp8 in (0, 1):
+            for a_fp8 in (0, 1, 2):
                 cfg = {**get_config(t, k, e, h, i, torch.bfloat16, x.device, fp8_weights=True), "A_FP8": a_fp8}
                 errs[f"{t} A_FP8={a_fp8}"] = rel(
                     fused_moe(x, ws[0][0], ws[1][0], ws[2][0], w, ids, 10.0, config=cfg, scales=sc),
                     fused_moe_ref(x, ws[0][0], ws[1][0], ws[2][0], w, ids, 10.0, scales=sc, quant_act=bool(a_fp8)))
-        ok = all(v < (W8A8_MOE_BOUND if key.endswith("=1") else W8A16_BOUND) for key, v in errs.items())
-        return {"ok": ok, "rel_err": errs, "bounds": {"A_FP8=0": W8A16_BOUND, "A_FP8=1": W8A8_MOE_BOUND}}
+        ok = all(v < (W8A16_BOUND if key.endswith("=0") else W8A8_MOE_BOUND) for key, v in errs.items())
+        return {"ok": ok, "rel_err": errs, "bounds": {"A_FP8=0": W8A16_BOUND, "A_FP8=1,2": W8A8_MOE_BOUND}}
     check("fused_moe fp8 experts E288", moe)
     return out
 
@@ -258,8 +260,8 @@ def time_shape(name: str, n: int, k: int, ms: list[int], deadline: float, log) -
 
 def time_moe(tokens: list[int], log) -> list[dict]:
     """The routed experts at E288/H4096/I2048/top-8 under CUDA-graph replay: bf16 experts, fp8 experts widened
-    in registers (``A_FP8`` 0) and the w8a8 mode (``A_FP8`` 1), each with its table's config; µs and the
-    weight bytes the touched experts move per µs."""
+    in registers (``A_FP8`` 0) and the w8a8 modes (``A_FP8`` 1: tiles quantised in the kernels, 2: x and h
+    quantised once), each with its table's tiles; µs and the weight bytes the touched experts move per µs."""
     from glm5_kernels.fused_moe import fused_moe, get_config
     e, h, i, k = 288, 4096, 2048, 8
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -274,7 +276,7 @@ def time_moe(tokens: list[int], log) -> list[dict]:
         touched = int(torch.unique(ids).numel())
         row: dict[str, Any] = {"moe_tokens": t, "experts_touched": touched, "us": {}, "GBps": {}}
         runs = {"bf16": lambda: fused_moe(x, *wb, w, ids, 10.0)}
-        for a_fp8 in (0, 1):
+        for a_fp8 in (0, 1, 2):
             cfg = {**get_config(t, k, e, h, i, torch.bfloat16, x.device, fp8_weights=True), "A_FP8": a_fp8}
             runs[f"fp8 A_FP8={a_fp8}"] = lambda cfg=cfg: fused_moe(x, w8[0][0], w8[1][0], w8[2][0], w, ids, 10.0,
                                                                      config=cfg, scales=tuple(s for _, s in w8))
@@ -292,6 +294,23 @@ def time_moe(tokens: list[int], log) -> list[dict]:
     del wb, w8
     torch.cuda.empty_cache()
     return rows
+
+
+def time_quant(rows: list[int], log, k: int = 4096) -> list[dict]:
+    """The activation quantiser (:func:`per_token_group_quant_fp8`, row-major and ``_scaled_mm``'s column-major
+    scales) on ``[M, k]`` bf16 under CUDA-graph replay: µs and GB/s (bf16 read + e4m3 and scales written)."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    out = []
+    for m in rows:
+        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+        nbytes = m * k * 3 + m * (k // 128) * 4
+        row: dict[str, Any] = {"quant_rows": m, "K": k, "us": {}, "GBps": {}}
+        for label, col in (("row-major", False), ("column-major", True)):
+            us = bench_us(lambda col=col: fl.per_token_group_quant_fp8(x, column_major=col), graph=True)
+            row["us"][label], row["GBps"][label] = us, nbytes / (us * 1e-6) / 1e9
+        log(row)
+        out.append(row)
+    return out
 
 
 def merge_tables(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -317,6 +336,8 @@ def main() -> int:
                     "and time; empty: all")
     ap.add_argument("--moe-tokens", default="1,8,64,256",
                     help="comma-separated token counts for the fused-MoE timings (empty: none)")
+    ap.add_argument("--quant-rows", default="1,64,4096",
+                    help="comma-separated row counts for the activation-quantiser timings (empty: none)")
     ap.add_argument("--write-table", action="store_true",
                     help="also write kernels/glm5_kernels/configs/fp8_linear_{device}.json")
     args = ap.parse_args()
@@ -351,6 +372,7 @@ def main() -> int:
     except Exception as e:
         res["moe"] = [{"error": f"{type(e).__name__}: {str(e)[:300]}"}]
         log(res["moe"][0])
+    res["quant"] = time_quant([int(v) for v in args.quant_rows.split(",") if v], log)
     table: dict[str, Any] = {}
     for r in res["timings"]:
         if "choice" in r:
@@ -380,6 +402,9 @@ def main() -> int:
         if "us" in r:
             print(f"fused MoE T={r['moe_tokens']:<5} experts {r['experts_touched']:>3}: " + ", ".join(
                 f"{lbl} {us:.1f} us ({r['GBps'][lbl]:.0f} GB/s)" for lbl, us in r["us"].items()))
+    for r in res["quant"]:
+        print(f"quantiser M={r['quant_rows']:<6} K={r['K']}: " + ", ".join(
+            f"{lbl} {us:.1f} us ({r['GBps'][lbl]:.0f} GB/s)" for lbl, us in r["us"].items()))
     print(f"\nwrote {args.out / 'fp8_check.json'} in {res['seconds']} s")
     return 0 if all(c["ok"] for c in res["checks"]) else 1
 

@@ -1,11 +1,12 @@
 """Tune the fused MoE launch configs on a GPU and write the per-token-count table.
 
-``python bench/tune_fused_moe.py [--budget-s 150] [--out kernels/glm5_kernels/configs] [--fp8]``
+``python bench/tune_fused_moe.py [--budget-s 150] [--out kernels/glm5_kernels/configs] [--fp8 [--a-fp8 N]]``
 
 ``--fp8`` tunes the fp8-weight path (experts e4m3 with 128 x 128 block scales, bf16 activations) and writes
 ``fused_moe_E288_H4096_I2048_bf16_fp8w_{device}.json``; its tiles are at most 128 wide in N (one scale row
-per weight tile), so wider candidates are skipped. The output file's entries for token counts that ``--ms`` does
-not list are kept.
+per weight tile), so wider candidates are skipped; ``--a-fp8`` picks the activation mode it tunes (default: the
+one :func:`fused_moe` uses without a table entry). The output file's entries for token counts that ``--ms`` does
+not list are kept, and an entry for a listed one stays when it measures faster than what the run found.
 
 For each token count M (1 … 16384) at E=288, H=4096, I=2048, top-8, bf16 with uniform random
 routing, the two kernels are timed *separately* for every BLOCK_SIZE_M candidate (both share the
@@ -79,25 +80,34 @@ def block_m_candidates(m: int, top_k: int, num_experts: int) -> list[int]:
     return [first] + [b for b in cands if b != first]
 
 
+#: The pre-quantised w8a8 mode (``A_FP8`` 2): e4m3 A and B tiles (one byte each) with one 128-channel group per K
+#: step, and gate/up's N tile one group too, so only the row-block order, warps and stages are free.
+_PRE_GU = [(128, 128, 8, 8, 4), (128, 128, 8, 4, 4), (128, 128, 8, 8, 3), (128, 128, 16, 8, 4), (128, 128, 1, 4, 4),
+           (128, 128, 8, 4, 3)]
+_PRE_DN = [(128, 128, 8, 8, 4), (128, 128, 8, 4, 4), (64, 128, 8, 4, 4), (128, 128, 8, 8, 3), (128, 128, 16, 8, 4),
+           (64, 128, 8, 4, 5), (128, 128, 1, 4, 4)]
+
 #: Extra tiles for the swapped w8a8 dots (``SWAP_AB``: the weight tile on the warpgroup MMA's M side), which keep
 #: fp8 tiles in shared memory and so fit more stages.
 _SWAP = [(64, 128, 1, 4, 5), (128, 128, 1, 8, 3), (128, 128, 1, 4, 4)]
 
 
 def tile_candidates(block_m: int, kernel: str, default: dict[str, Any], elem: int,
-                    swap: bool = False) -> list[dict[str, Any]]:
+                    swap: bool = False, pre: bool = False) -> list[dict[str, Any]]:
     """Tile configs for one kernel ("gate_up" or "down") at this BLOCK_SIZE_M, prior order, deduplicated,
     shared-memory-feasible; the default config's tiles come first when its BLOCK_SIZE_M matches. ``swap`` (the
     fp8 w8a8 mode at row blocks up to 32): every tile at least 64 wide in N also swapped, plus :data:`_SWAP`;
-    each candidate then says ``SWAP_AB`` explicitly, so that a ``down`` override never inherits gate/up's."""
+    each candidate then says ``SWAP_AB`` explicitly, so that a ``down`` override never inherits gate/up's.
+    ``pre`` (the pre-quantised w8a8 mode): the :data:`_PRE_GU` / :data:`_PRE_DN` tiles, one byte per element."""
     table = {("gate_up", "small"): _SMALL_GU, ("down", "small"): _SMALL_DN, ("gate_up", "mid"): _MID_GU,
              ("down", "mid"): _MID_DN, ("gate_up", "big"): _BIG_GU, ("down", "big"): _BIG_DN}
     size = "small" if block_m <= 32 else "mid" if block_m <= 64 else "big"
     out: list[dict[str, Any]] = []
-    if default["BLOCK_SIZE_M"] == block_m:
+    if default["BLOCK_SIZE_M"] == block_m and not pre:
         src = default if kernel == "gate_up" else fm.down_config(default)
         out.append({k: src[k] for k in fm.TILE_KEYS})
-    for bn, bk, gm, warps, stages in table[(kernel, size)]:
+    tiles = (_PRE_GU if kernel == "gate_up" else _PRE_DN) if pre else table[(kernel, size)]
+    for bn, bk, gm, warps, stages in tiles:
         cfg = {"BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk, "GROUP_SIZE_M": gm, "num_warps": warps, "num_stages": stages}
         b_tiles = 2 if kernel == "gate_up" else 1
         if stages * (block_m * bk + b_tiles * bk * bn) * elem > fm.SMEM_LIMIT or cfg in out:
@@ -126,9 +136,12 @@ def copy_bandwidth() -> float:
 
 
 def tune_one_m(m: int, deadline: float, w: dict[str, torch.Tensor], top_k: int, limit: float, rep_ms: int,
-               gen: torch.Generator) -> dict[str, Any]:
+               gen: torch.Generator, a_fp8: int | None = None,
+               incumbent: dict[str, Any] | None = None) -> dict[str, Any]:
     """Search until ``deadline`` (monotonic seconds) for M tokens; return the chosen config + numbers.
-    ``w`` may carry ``scales`` (gate, up, down): the fp8-weight path."""
+    ``w`` may carry ``scales`` (gate, up, down): the fp8-weight path, in the mode ``a_fp8`` (None: what
+    :func:`fused_moe` defaults to at M). ``incumbent`` (the output table's entry for M) is timed end to end too and
+    kept when it is faster, so a run that tunes one mode never replaces a faster entry of another."""
     wg, wu, wd = w["gate"], w["up"], w["down"]
     sc = w.get("scales")
     e, inter, hidden = wg.shape
@@ -138,17 +151,23 @@ def tune_one_m(m: int, deadline: float, w: dict[str, torch.Tensor], top_k: int, 
     weights = torch.rand(m, top_k, device=wg.device, generator=gen)
     h = torch.empty(m * top_k, inter, device=wg.device, dtype=dtype)
     y = torch.empty(m * top_k, hidden, device=wg.device, dtype=dtype)
-    # fp8 experts: tune the mode fused_moe runs at this token count (default_a_fp8: w8a8 or W8A16)
-    mode = {"A_FP8": fm.default_a_fp8(m)} if sc is not None else {}
+    # fp8 experts: tune the mode asked for, else the one fused_moe runs without a table entry
+    mode = {"A_FP8": fm.DEFAULT_A_FP8 if a_fp8 is None else a_fp8} if sc is not None else {}
+    pre = mode.get("A_FP8") == 2
     default = {**fm.default_config(m, top_k, e, dtype), **mode}
-    elem = 2 if sc is not None else wg.element_size()  # smem estimate: A tiles in bf16 dominate either way
+    # smem estimate: A tiles in bf16 dominate unless they arrive as e4m3 (pre-quantised)
+    elem = 1 if pre else 2 if sc is not None else wg.element_size()
+    x_in = fm.QuantRows.of(x) if pre else x
+    if pre:
+        h = fm.QuantRows.empty(m * top_k, inter, dtype, wg.device)
 
     # one job list, round-robin over (BLOCK_SIZE_M, kernel) by candidate rank so every BLOCK_SIZE_M gets
     # its best-prior tiles before anyone's long tail
     lanes = []
     for bm in block_m_candidates(m, top_k, e):
         for kernel in ("gate_up", "down"):
-            lanes.append([(bm, kernel, c) for c in tile_candidates(bm, kernel, default, elem, swap=bool(mode.get("A_FP8")))
+            lanes.append([(bm, kernel, c) for c in tile_candidates(bm, kernel, default, elem,
+                                                                   swap=bool(mode.get("A_FP8")), pre=pre)
                           if sc is None or c["BLOCK_SIZE_N"] <= fm.FP8_BLOCK])
     jobs = [lane[i] for i in range(max(len(lane) for lane in lanes)) for lane in lanes if i < len(lane)]
 
@@ -165,7 +184,7 @@ def tune_one_m(m: int, deadline: float, w: dict[str, torch.Tensor], top_k: int, 
                 routings[bm] = fm.moe_align_block_size(ids, e, bm)
             r = routings[bm]
             if kernel == "gate_up":
-                us = bench_us(lambda: fm.moe_gate_up(x, wg, wu, r, top_k, limit, cfg, out=h,
+                us = bench_us(lambda: fm.moe_gate_up(x_in, wg, wu, r, top_k, limit, cfg, out=h,
                                                      scales=None if sc is None else sc[:2]), rep_ms)
             else:
                 us = bench_us(lambda: fm.moe_down(h, wd, weights, r, cfg, out=y,
@@ -213,13 +232,24 @@ def tune_one_m(m: int, deadline: float, w: dict[str, torch.Tensor], top_k: int, 
         choice, full_us = default, default_us
     elif default_us < full_us:  # separate-kernel timings can mislead by a few µs; keep the faster whole
         choice, full_us = default, default_us
+    kept = False
+    if incumbent is not None and incumbent != choice:
+        incumbent_us = bench_us(lambda: fm.fused_moe(x, wg, wu, wd, weights, ids, limit, config=incumbent,
+                                                     scales=sc), rep_ms)
+        log.info("M=%d: the table's entry takes %.1f us, this run's choice %.1f us", m, incumbent_us, full_us)
+        if incumbent_us < full_us:
+            choice, full_us, kept = incumbent, incumbent_us, True
+            ref = fused_moe_ref(x, wg, wu, wd, weights, ids, limit, scales=sc,
+                                quant_act=bool(incumbent.get("A_FP8", fm.DEFAULT_A_FP8))).float()
+            got = fm.fused_moe(x, wg, wu, wd, weights, ids, limit, config=choice, scales=sc).float()
+            rel = ((got - ref).norm() / ref.norm()).item()
     touched = int(torch.unique(ids).numel())
     flops, nbytes = fm.moe_forward_flops_bytes(m, touched, hidden, inter, top_k, elem)
     if sc is not None:  # weights are one byte each plus their scales, activations stay bf16
         nbytes -= touched * 3 * hidden * inter * (elem - 1) - touched * 3 * (hidden // 128) * (inter // 128) * 4
     return {"config": choice, "us": full_us, "default_us": default_us, "TFLOPs": flops / (full_us * 1e-6) / 1e12,
             "GBps": nbytes / (full_us * 1e-6) / 1e9, "experts_touched": touched, "rel_err_vs_torch": rel,
-            "candidates_timed": tried, "candidates_failed": failed}
+            "candidates_timed": tried, "candidates_failed": failed, "kept_table_entry": kept}
 
 
 def main() -> None:
@@ -234,6 +264,9 @@ def main() -> None:
     ap.add_argument("--ms", type=str, default=",".join(map(str, DEFAULT_MS)))
     ap.add_argument("--rep-ms", type=int, default=20, help="do_bench repetition time per candidate")
     ap.add_argument("--fp8", action="store_true", help="tune the fp8-weight path (e4m3 experts, block scales)")
+    ap.add_argument("--a-fp8", type=int, choices=(0, 1, 2), default=None,
+                    help="with --fp8: the activation mode to tune (0 W8A16, 1 w8a8 quantised in the kernels, "
+                         "2 w8a8 quantised once); default: what fused_moe picks per token count")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -268,6 +301,10 @@ def main() -> None:
     log.info("device %s, copy bandwidth %.0f GB/s, setup took %.1f s", torch.cuda.get_device_name(),
              bw / 1e9, time.monotonic() - t0)
 
+    out = args.out
+    if out.suffix != ".json":
+        out = out / fm.config_file_name(e, hidden, inter, dtype, fm.device_name(dev), fp8_weights=args.fp8)
+    old = json.loads(out.read_text()) if out.exists() else {}
     start = time.monotonic()
     remaining = args.budget_s - (start - t0)
     # later M cost more per measurement: give them proportionally a little more time
@@ -276,7 +313,8 @@ def main() -> None:
     for i, m in enumerate(ms):
         deadline = start + remaining * sum(shares[:i + 1]) / sum(shares)
         try:
-            results[m] = tune_one_m(m, deadline, w, k, args.limit, args.rep_ms, gen)
+            results[m] = tune_one_m(m, deadline, w, k, args.limit, args.rep_ms, gen, a_fp8=args.a_fp8,
+                                    incumbent=old.get(str(m)))
         except torch.cuda.OutOfMemoryError as exc:
             log.error("M=%d: out of memory (%s); skipped", m, str(exc).splitlines()[0])
             torch.cuda.empty_cache()
@@ -285,12 +323,8 @@ def main() -> None:
         log.info("M=%d done at %.0f s: %.1f us (default %.1f us), %.1f TFLOP/s, %.0f GB/s, config %s", m,
                  time.monotonic() - t0, r["us"], r["default_us"], r["TFLOPs"], r["GBps"], r["config"])
 
-    out = args.out
-    if out.suffix != ".json":
-        out = out / fm.config_file_name(e, hidden, inter, dtype, fm.device_name(dev), fp8_weights=args.fp8)
     out.parent.mkdir(parents=True, exist_ok=True)
     # token counts this run did not tune keep their entries (and their recorded numbers)
-    old = json.loads(out.read_text()) if out.exists() else {}
     table: dict[str, Any] = {m: c for m, c in old.items() if not m.startswith("_")}
     table.update({str(m): r["config"] for m, r in results.items()})
     table = dict(sorted(table.items(), key=lambda kv: int(kv[0])))

@@ -176,26 +176,32 @@ def test_moe_sum_kernel_compiles(dtype, has_add):
 # and the prefill tile; the w8a8 mode (one 128-channel K step, e4m3 dots accumulated in fp32) with the decode
 # tile and the 128-row prefill tile at the stages its launcher keeps (3 of the table's 4). The fp32 fp8 path
 # (oracle mode) runs under the interpreter test.
-@pytest.mark.parametrize("dtype,fp8,block_m,block_k,a_fp8,stages,swap", [
-    ("bf16", False, 64, 64, False, 3, False), ("fp32", False, 64, 64, False, 3, False),
-    ("bf16", True, 16, 256, False, 3, False), ("bf16", True, 64, 64, False, 3, False),
-    ("bf16", True, 16, 128, True, 3, False), ("bf16", True, 128, 128, True, 3, False),
-    ("bf16", True, 16, 128, True, 3, True), ("bf16", True, 16, 128, True, 5, True)])
-def test_fused_moe_kernels_compile(dtype, fp8, block_m, block_k, a_fp8, stages, swap):
+# The pre-quantised w8a8 mode (e4m3 x and h with their scales; h quantised in the gate/up epilogue) with the
+# 128-row prefill tile at 4 stages (one-byte A tiles leave room for them) and the swapped decode tile.
+@pytest.mark.parametrize("dtype,fp8,block_m,block_k,a_fp8,stages,swap,pre", [
+    ("bf16", False, 64, 64, False, 3, False, False), ("fp32", False, 64, 64, False, 3, False, False),
+    ("bf16", True, 16, 256, False, 3, False, False), ("bf16", True, 64, 64, False, 3, False, False),
+    ("bf16", True, 16, 128, True, 3, False, False), ("bf16", True, 128, 128, True, 3, False, False),
+    ("bf16", True, 16, 128, True, 3, True, False), ("bf16", True, 16, 128, True, 5, True, False),
+    ("bf16", True, 128, 128, True, 4, False, True), ("bf16", True, 16, 128, True, 4, True, True)])
+def test_fused_moe_kernels_compile(dtype, fp8, block_m, block_k, a_fp8, stages, swap, pre):
     from glm5_kernels.fused_moe import _moe_down_kernel, _moe_gate_up_kernel
     common = dict(sorted_ids_ptr="i32", block_expert_ptr="i32", total_ptr="i32")
     w = "fp8e4nv" if fp8 else dtype
     s = "fp32" if fp8 else dtype  # without fp8 the scale pointers are unused placeholders (the weights)
+    act = "fp8e4nv" if pre else dtype
     tiles = dict(BLOCK_M=block_m, BLOCK_N=128 if block_m >= 64 or a_fp8 else 64, BLOCK_K=block_k, GROUP_M=8,
                  EVEN_K=True, IEEE=dtype == "fp32", W_FP8=fp8, SB=128, A_FP8=a_fp8, FP8_MAX_=448.0,
-                 MIN_AMAX_=1e-12, FP8_ACC=32, SWAP_AB=swap)
+                 MIN_AMAX_=1e-12, FP8_ACC=32, SWAP_AB=swap, A_PRE=pre)
     warps = 8 if block_m == 128 else 4
     kernels = [
-        _compile(_moe_gate_up_kernel, dict(x_ptr=dtype, wg_ptr=w, wu_ptr=w, h_ptr=dtype, sg_ptr=s, su_ptr=s, **common),
-                 dict(TOP_K=8, **tiles), floats=("limit",), num_warps=warps, num_stages=stages),
-        _compile(_moe_down_kernel, dict(h_ptr=dtype, wd_ptr=w, y_ptr=dtype, topk_w_ptr="fp32", sd_ptr=s, **common),
+        _compile(_moe_gate_up_kernel, dict(x_ptr=act, wg_ptr=w, wu_ptr=w, h_ptr=act, sg_ptr=s, su_ptr=s, xs_ptr="fp32",
+                                           hs_ptr="fp32", **common),
+                 dict(TOP_K=8, H_FP16=False, **tiles), floats=("limit",), num_warps=warps, num_stages=stages),
+        _compile(_moe_down_kernel, dict(h_ptr=act, wd_ptr=w, y_ptr=dtype, topk_w_ptr="fp32", sd_ptr=s, hs_ptr="fp32",
+                                        **common),
                  tiles, num_warps=warps, num_stages=stages)]
-    if swap:
+    if swap or pre:
         for kernel in kernels:
             _assert_native_fp8_wgmma(kernel)
 
@@ -248,8 +254,9 @@ def test_fp8_split_sum_kernel_compiles(split, out):
 
 def test_fp8_group_quant_kernel_compiles():
     from glm5_kernels.fp8_linear import _group_quant_kernel
-    _compile(_group_quant_kernel, dict(x_ptr="bf16", q_ptr="fp8e4nv", s_ptr="fp32"),
-             dict(GROUP=128, FP8_MAX_=448.0, MIN_AMAX_=1e-12))
+    for block_m, warps in ((1, 1), (16, 4)):
+        _compile(_group_quant_kernel, dict(x_ptr="bf16", q_ptr="fp8e4nv", s_ptr="fp32"),
+                 dict(GROUP=128, BLOCK_M=block_m, FP8_MAX_=448.0, MIN_AMAX_=1e-12), num_warps=warps)
 
 
 @pytest.mark.parametrize("block_m,block_n,bias,split", [(64, 128, False, 1), (128, 128, True, 1), (64, 128, True, 8)])

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from glm5_kernels.fp8_ref import BLOCK, FP8_DTYPE, FP8_MAX, MIN_AMAX
+from glm5_kernels.fp8_ref import BLOCK, FP8_DTYPE, FP8_MAX, MIN_AMAX, fp8_head_linear_ref
 from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,12 @@ FP8_DOT_ACC = 32
 #: Largest M the default sends to the GEMV kernel: beyond it the w8a8 GEMMs (quantised activations, fp8
 #: tensor cores) win on the H200 measurements in the reference doc (``_scaled_mm`` 1.5-1.6x bf16 at M=4096).
 GEMV_MAX_M = 64
+#: Rows above which :func:`fp8_head_linear` dequantises the per-head weights (MLA's absorbed views: 16 MB in bf16)
+#: and runs the batched bf16 GEMM instead of the GEMV: in the 2026-12-03 09:19 UTC H200 profiles of an 8K prefill
+#: (4096-row chunks) the GEMV took 615 µs per call against 133 µs for the bf16 weights' batched GEMM.
+HEAD_GEMV_MAX_M = 256
+#: Rows per program of the activation quantiser (:func:`per_token_group_quant_fp8`).
+QUANT_ROWS = 16
 #: Largest M at which the w8a8 GEMM honours a table entry's ``SPLIT_K`` (above it the M tiles fill the GPU).
 W8A8_SPLIT_MAX_M = 256
 
@@ -290,22 +296,26 @@ def _split_sum_kernel(p_ptr, y_ptr, R, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
 
 @triton.jit(do_not_specialize=["M"])
 def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sk,
-                        GROUP: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_AMAX_: tl.constexpr,
+                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_AMAX_: tl.constexpr,
                         USE_PDL: tl.constexpr = False):
-    """Per (token, 128-channel group): s = max(|x|) / 448, q = e4m3(x / s). Grid (M, cdiv(K, GROUP))."""
+    """Per (token, 128-channel group): s = max(|x|) / 448, q = e4m3(x / s). Grid (cdiv(M, BLOCK_M),
+    cdiv(K, GROUP)): each program quantises ``BLOCK_M`` rows of one group (one row per program left a prefill's
+    4096 x 32 groups as 131k one-warp programs, ~14x slower than the bytes allow)."""
     pdl_enter(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     grp = tl.program_id(1)
     offs = grp * GROUP + tl.arange(0, GROUP)
-    ok = offs < K
-    x = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX_)
+    r_ok = rows < M
+    ok = r_ok[:, None] & (offs < K)[None, :]
+    r64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + r64[:, None] * stride_xm + offs[None, :], mask=ok, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX_)
     # IEEE-rounded divisions, as the reference's tensor / tensor divisions are: a plain `/` compiles to the
     # approximate div.full.f32 on NVIDIA GPUs (1-ulp differences flip e4m3 codes at rounding ties)
     s = tl.math.div_rn(amax, FP8_MAX_)
-    q = tl.clamp(tl.math.div_rn(x, s), -FP8_MAX_, FP8_MAX_)
-    tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + row * stride_sm + grp * stride_sk, s)
+    q = tl.clamp(tl.math.div_rn(x, s[:, None]), -FP8_MAX_, FP8_MAX_)
+    tl.store(q_ptr + r64[:, None] * stride_qm + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + r64 * stride_sm + grp * stride_sk, s, mask=r_ok)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -559,8 +569,11 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.
 def fp8_head_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
                     config: dict[str, Any] | None = None) -> torch.Tensor:
     """Per-head W8A16: ``x [M, G, K]``, ``w [G, N, K]`` fp8, ``scale [G, ceil(N/128), ceil(K/128)]`` → ``[M, G, N]``
-    (reference :func:`glm5_kernels.fp8_ref.fp8_head_linear_ref`)."""
+    (reference :func:`glm5_kernels.fp8_ref.fp8_head_linear_ref`, which is also what runs above
+    :data:`HEAD_GEMV_MAX_M` rows unless ``config`` asks for the GEMV)."""
     m, groups, k = x.shape
+    if m > HEAD_GEMV_MAX_M and x.dtype != torch.float32 and config is None:
+        return fp8_head_linear_ref(x, w, scale)
     if x.stride(-1) != 1:
         x = x.contiguous()
     cfg = config or default_gemv_config(m, w.shape[1], k, groups)
@@ -586,9 +599,11 @@ def per_token_group_quant_fp8(x: torch.Tensor, group: int = BLOCK, column_major:
         q[m:].zero_()
         s[m:].fill_(MIN_AMAX / FP8_MAX)
     if m:
-        _group_quant_kernel[(m, kb)](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-                                     GROUP=group, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX, num_warps=1,
-                                     **pdl_kwargs(x.device))
+        block_m = min(QUANT_ROWS, triton.next_power_of_2(m))
+        _group_quant_kernel[(triton.cdiv(m, block_m), kb)](
+            x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), GROUP=group, BLOCK_M=block_m,
+            FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX, num_warps=1 if block_m * group <= 512 else 4,
+            **pdl_kwargs(x.device))
     return q, s
 
 
@@ -671,7 +686,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torc
     return y.reshape(*x.shape[:-1], n)
 
 
-__all__ = ["CONFIG_DIR", "FP8_DOT_ACC", "GEMV_IMPLS", "GEMV_MAX_M", "IMPLS", "W8A8_SPLIT_MAX_M",
+__all__ = ["CONFIG_DIR", "FP8_DOT_ACC", "GEMV_IMPLS", "GEMV_MAX_M", "HEAD_GEMV_MAX_M", "IMPLS", "W8A8_SPLIT_MAX_M",
            "default_gemv_config", "default_impl", "default_w8a8_config", "fp8_dot_acc", "fp8_gemv", "fp8_head_linear",
            "fp8_linear", "group_tile_k", "load_table", "swap_ab", "w8a8_acc", "w8a8_dot", "w8a8_rows", "per_token_group_quant_fp8", "quantize_rows",
            "scaled_mm_block_supported", "scaled_mm_linear", "select_impl", "split_sum", "table_file_name",

@@ -34,13 +34,20 @@ so its scales are one value per 128 columns of K: they are folded into the activ
 (``a[:, k] · s[n_blk, k // 128]``) before the ``tl.dot`` on the fp8 values widened to the activation dtype.
 fp8 tables are separate files (``..._fp8w_{device}.json``).
 
-fp8 experts with the activations quantised in the kernels too (w8a8, config ``"A_FP8": 1``, what
-:func:`fused_moe` picks for bf16/fp16 activations up to :data:`W8A8_MAX_TOKENS` tokens): each gathered
-``[BLOCK_M, 128]`` tile of ``x`` (first kernel) or ``h`` (second) becomes e4m3 with one scale per row, the
-per-token-group rule of the dense w8a8 paths (:func:`glm5_kernels.fp8_linear.quantize_rows`), and ``tl.dot``
-multiplies it with the e4m3 weight tile as loaded; each 128-wide K step's product is scaled by
-``s_x[row] · s_w``. The weight tile never widens, so the kernels stream fp8 weights as the bf16 kernels stream
-bf16. Reference: ``fused_moe_ref(..., quant_act=True)``.
+fp8 experts with the activations quantised too (w8a8), in two ways, the config's ``A_FP8``:
+
+* ``1``: each gathered ``[BLOCK_M, 128]`` tile of ``x`` (first kernel) or ``h`` (second) becomes e4m3 with one
+  scale per row in the kernel, the per-token-group rule of the dense w8a8 paths
+  (:func:`glm5_kernels.fp8_linear.quantize_rows`). Every program quantises the tiles it loads, so a row is
+  quantised once per N tile: free at decode sizes, 2x the bf16 kernels' time at T = 4096.
+* ``2`` (:data:`DEFAULT_A_FP8`): x is quantised once by the dense paths' quantiser and passed as
+  :class:`QuantRows`; the gate/up kernel's N tiles are one 128-channel group each, so its epilogue quantises
+  its SwiGLU output (rounded to the activation dtype first) and writes h as e4m3 with one scale per row and
+  group, which the down kernel loads as it is. A tiles are one byte in shared memory too.
+
+Either way ``tl.dot`` multiplies the e4m3 activation tile with the e4m3 weight tile as loaded and each 128-wide
+K step's product is scaled by ``s_x[row] · s_w``; the weight tile never widens, so the kernels stream fp8 weights
+as the bf16 kernels stream bf16. Reference: ``fused_moe_ref(..., quant_act=True)`` (both modes).
 
 Launch configs come from a tuning table (``configs/fused_moe_E{E}_H{H}_I{I}_{dtype}_{device}.json``,
 written by ``bench/tune_fused_moe.py``), keyed by token count; the nearest entry is used, else
@@ -61,7 +68,8 @@ import triton
 import triton.language as tl
 
 from glm5_kernels.device import interpreting
-from glm5_kernels.fp8_linear import fp8_dot_acc, group_tile_k, quantize_rows, swap_ab, w8a8_acc, w8a8_dot, w8a8_rows
+from glm5_kernels.fp8_linear import (fp8_dot_acc, group_tile_k, per_token_group_quant_fp8, quantize_rows, swap_ab,
+                                     w8a8_acc, w8a8_dot, w8a8_rows)
 from glm5_kernels.fp8_ref import FP8_MAX, MIN_AMAX
 from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
@@ -191,20 +199,33 @@ def _fold_scales(a, s_row_ptr, kk, k_ok, EVEN_K: tl.constexpr, SB: tl.constexpr)
     return (a.to(tl.float32) * sc[None, :]).to(a.dtype)
 
 
+@triton.jit
+def _act_tile(a, s_ptrs, row_ok, A_PRE: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_AMAX_: tl.constexpr):
+    """The w8a8 modes' activation tile of one K step as (e4m3 ``[BM, BK]``, per-row scale ``[BM]``): as loaded
+    with its scales read at ``s_ptrs`` (``A_PRE``), else quantised here (:func:`fp8_linear.quantize_rows`)."""
+    if A_PRE:
+        return a, tl.load(s_ptrs, mask=row_ok, other=0.0)
+    return quantize_rows(a, FP8_MAX_, MIN_AMAX_)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
 def _moe_gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr,
-                        sg_ptr, su_ptr,
+                        sg_ptr, su_ptr, xs_ptr, hs_ptr,
                         num_pairs, num_pid_m, N, K, limit,
-                        stride_xm, stride_we, stride_wn, stride_hm, stride_se, stride_sn,
+                        stride_xm, stride_we, stride_wn, stride_hm, stride_se, stride_sn, stride_xs, stride_hs,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                         W_FP8: tl.constexpr = False, SB: tl.constexpr = 128, A_FP8: tl.constexpr = False,
                         FP8_MAX_: tl.constexpr = 448.0, MIN_AMAX_: tl.constexpr = 1e-12, FP8_ACC: tl.constexpr = 32,
-                        SWAP_AB: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                        SWAP_AB: tl.constexpr = False, A_PRE: tl.constexpr = False, H_FP16: tl.constexpr = False,
+                        USE_PDL: tl.constexpr = False):
     """h[pair, n] = clamped_swiglu(x[token] · W_gate[e, n], x[token] · W_up[e, n]); N = I, K = H.
     ``W_FP8``: the weights are e4m3 with block scales ``s[e, n // SB, k // SB]`` (BLOCK_N divides SB).
     ``A_FP8`` (with ``W_FP8``): the x tile is quantised per row and K tile (BLOCK_K = SB, or all of a smaller K);
-    ``SWAP_AB`` (with ``A_FP8``): the accumulators are ``[BLOCK_N, BLOCK_M]`` (``fp8_linear.w8a8_dot``)."""
+    ``SWAP_AB`` (with ``A_FP8``): the accumulators are ``[BLOCK_N, BLOCK_M]`` (``fp8_linear.w8a8_dot``).
+    ``A_PRE`` (with ``A_FP8``): x arrives quantised (e4m3 with scales ``xs[token, k // SB]``) and h leaves so:
+    each tile's SwiGLU output, rounded to bf16 (fp16 with ``H_FP16``) as the other modes store it, is one
+    128-channel group per row (BLOCK_N = SB, or all of a smaller N), written as e4m3 with ``hs[pair, n // SB]``."""
     pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     pid_m, pid_n = _block_coords(pid, num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -219,6 +240,7 @@ def _moe_gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ids_ptr, block_expe
     # Columns past N wrap onto valid weight rows (their results are never stored): no mask on B.
     w_off = expert * stride_we + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
     a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
+    xs_ptrs = xs_ptr + tok * stride_xs
     g_ptrs = wg_ptr + w_off
     u_ptrs = wu_ptr + w_off
     s_off = expert * stride_se + ((pid_n * BLOCK_N) // SB) * stride_sn
@@ -235,7 +257,7 @@ def _moe_gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ids_ptr, block_expe
             bg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             bu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
         if A_FP8:
-            a8, sa = quantize_rows(a, FP8_MAX_, MIN_AMAX_)
+            a8, sa = _act_tile(a, xs_ptrs + kb, row_ok, A_PRE, FP8_MAX_, MIN_AMAX_)
             s_k = (kb * BLOCK_K) // SB
             sg = tl.load(sg_ptr + s_off + s_k)
             su = tl.load(su_ptr + s_off + s_k)
@@ -264,20 +286,32 @@ def _moe_gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ids_ptr, block_expe
     u = tl.minimum(tl.maximum(w8a8_rows(acc_u, SWAP_AB), -limit), limit)
     hid = g * tl.sigmoid(g) * u
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
-    tl.store(h_ptrs, hid.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
+    h_ok = row_ok[:, None] & (offs_n < N)[None, :]
+    if A_PRE:
+        # columns past N hold products of wrapped weight rows: out of the group's absmax
+        hid = tl.where((offs_n < N)[None, :], hid, 0.0)
+        if H_FP16:
+            hid = hid.to(tl.float16)
+        else:
+            hid = hid.to(tl.bfloat16)
+        h8, hs = quantize_rows(hid, FP8_MAX_, MIN_AMAX_)
+        tl.store(h_ptrs, h8, mask=h_ok)
+        tl.store(hs_ptr + rows.to(tl.int64) * stride_hs + pid_n, hs, mask=row_ok)
+    else:
+        tl.store(h_ptrs, hid.to(h_ptr.dtype.element_ty), mask=h_ok)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
-def _moe_down_kernel(h_ptr, wd_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr, sd_ptr,
+def _moe_down_kernel(h_ptr, wd_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr, sd_ptr, hs_ptr,
                      num_pairs, num_pid_m, N, K,
-                     stride_hm, stride_we, stride_wn, stride_ym, stride_se, stride_sn,
+                     stride_hm, stride_we, stride_wn, stride_ym, stride_se, stride_sn, stride_hs,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                      W_FP8: tl.constexpr = False, SB: tl.constexpr = 128, A_FP8: tl.constexpr = False,
                      FP8_MAX_: tl.constexpr = 448.0, MIN_AMAX_: tl.constexpr = 1e-12, FP8_ACC: tl.constexpr = 32,
-                     SWAP_AB: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                     SWAP_AB: tl.constexpr = False, A_PRE: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """y[pair, n] = w[pair] · (h[pair] · W_down[e, n]); N = H, K = I (``W_FP8``, ``A_FP8``, ``SWAP_AB`` as in the
-    gate/up kernel: with ``A_FP8`` the h tile is quantised)."""
+    gate/up kernel: with ``A_FP8`` the h tile is quantised; with ``A_PRE`` h is e4m3 with scales ``hs``)."""
     pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     pid_m, pid_n = _block_coords(pid, num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -290,6 +324,7 @@ def _moe_down_kernel(h_ptr, wd_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr, block_exp
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + rows64[:, None] * stride_hm + offs_k[None, :]
+    hs_ptrs = hs_ptr + rows64 * stride_hs
     b_ptrs = wd_ptr + expert * stride_we + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
     s_off = expert * stride_se + ((pid_n * BLOCK_N) // SB) * stride_sn
     acc = w8a8_acc(BLOCK_M, BLOCK_N, SWAP_AB)
@@ -302,7 +337,7 @@ def _moe_down_kernel(h_ptr, wd_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr, block_exp
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
         if A_FP8:
-            a8, sa = quantize_rows(a, FP8_MAX_, MIN_AMAX_)
+            a8, sa = _act_tile(a, hs_ptrs + kb, row_ok, A_PRE, FP8_MAX_, MIN_AMAX_)
             sd = tl.load(sd_ptr + s_off + (kb * BLOCK_K) // SB)
             acc += w8a8_dot(a8, b, sa, FP8_ACC, SWAP_AB) * sd
         elif W_FP8:
@@ -391,8 +426,9 @@ def validate_config(cfg: dict[str, Any]) -> None:
             v = src.get(key)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"fused_moe config {key}={v!r}: must be a positive int")
-    if cfg.get("A_FP8", 0) not in (0, 1):
-        raise ValueError(f"fused_moe config A_FP8={cfg['A_FP8']!r}: must be 0 (fp8 weights only) or 1 (w8a8)")
+    if cfg.get("A_FP8", 0) not in (0, 1, 2):
+        raise ValueError(f"fused_moe config A_FP8={cfg['A_FP8']!r}: must be 0 (fp8 weights only), 1 (w8a8, tiles "
+                         "quantised in the kernels) or 2 (w8a8, x and h quantised once)")
     for src in (cfg, cfg.get("down", {})):
         if src.get("SWAP_AB", 0) not in (0, 1):
             raise ValueError(f"fused_moe config SWAP_AB={src['SWAP_AB']!r}: must be 0 or 1 (w8a8 dots as wᵀ · aᵀ)")
@@ -459,39 +495,65 @@ def _fit_smem(block_m: int, block_n: int, block_k: int, stages: int, b_tiles: in
     return block_k, stages
 
 
-#: Token counts up to which :func:`fused_moe` runs fp8 experts in the w8a8 mode unless the config says otherwise:
-#: measured faster and within its bounds on the H200 at T = 1-512 (decode, 16-row blocks); at T = 1024 it ties
-#: with W8A16 and at T = 4096 it is 2.8x slower (its 128-row tiles fit shared memory only with one activation
-#: group per K step and fewer stages; bench/results/fp8_check_h200.json), so larger T keeps W8A16.
-W8A8_MAX_TOKENS = 512
+@dataclass(frozen=True)
+class QuantRows:
+    """Activation rows quantised per 128-channel group for the pre-quantised w8a8 mode (config ``"A_FP8": 2``):
+    e4m3 ``q [R, C]`` with fp32 ``scale [R, ceil(C/128)]``, standing for rows of ``dtype``. x is quantised once
+    by the dense paths' quantiser and h by the gate/up kernel's epilogue, instead of every program quantising
+    the tiles it loads (mode 1), which at prefill sizes repeats each row's quantisation once per N tile."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @classmethod
+    def of(cls, x: torch.Tensor) -> "QuantRows":
+        """``x [R, C]`` quantised by :func:`glm5_kernels.fp8_linear.per_token_group_quant_fp8` (the reference's rule)."""
+        q, s = per_token_group_quant_fp8(x)
+        return cls(q, s, x.dtype)
+
+    @classmethod
+    def empty(cls, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> "QuantRows":
+        return cls(torch.empty(rows, cols, device=device, dtype=FP8_DTYPE),
+                   torch.empty(rows, triton.cdiv(cols, FP8_BLOCK), device=device, dtype=torch.float32), dtype)
 
 
-def default_a_fp8(num_tokens: int) -> int:
-    """The ``A_FP8`` :func:`fused_moe` (and the tuner) use for fp8 experts when the config has none."""
-    return int(num_tokens <= W8A8_MAX_TOKENS)
+#: The ``A_FP8`` :func:`fused_moe` (and the tuner) use for fp8 experts when the config has none: the pre-quantised
+#: w8a8 mode, measured on the H200 (2026-12-03, ``bench/results/tune_fused_moe_fp8w.log``) faster than W8A16 and
+#: than mode 1 at T = 64-16384 (at T = 4096: 3.9 ms against 7.0 ms W8A16, 9.2 ms mode 1 and 4.5 ms bf16).
+DEFAULT_A_FP8 = 2
 
 
 def quantises_activations(cfg: dict[str, Any], dtype: torch.dtype, fp8_weights: bool) -> bool:
     """Whether the kernels run w8a8 (activation tiles quantised in the kernel): fp8 experts, bf16/fp16
     activations (fp32, the oracle mode, is never quantised) and the config's ``A_FP8`` (absent: 0;
-    :func:`fused_moe` sets it per token count)."""
+    :func:`fused_moe` sets :data:`DEFAULT_A_FP8`)."""
     return fp8_weights and dtype != torch.float32 and bool(cfg.get("A_FP8", 0))
 
 
 def _launch_tiles(cfg: dict[str, Any], n: int, k: int, block_m: int, b_tiles: int, act_dtype: torch.dtype,
-                  fp8_weights: bool) -> tuple[int, int, int, bool]:
+                  fp8_weights: bool, pre: bool = False, group_n: bool = False) -> tuple[int, int, int, bool]:
     """(BLOCK_N, BLOCK_K, num_stages, w8a8) of one MoE kernel over ``[n, k]`` weight tiles: the config's tiles
-    fitted to the shape; fp8 tiles at most 128 wide in N (one scale row each); in the w8a8 mode one
-    128-channel activation group per K step; then stages (and, unless w8a8, BLOCK_K) cut to shared memory."""
+    fitted to the shape; fp8 tiles at most 128 wide in N (one scale row each); in the w8a8 modes one
+    128-channel activation group per K step (``pre``: the activations arrive quantised, one byte each) and, with
+    ``group_n`` (the gate/up kernel quantising its output), one group per N tile; then stages (and, unless w8a8,
+    BLOCK_K) cut to shared memory."""
     bn, bk = _fit(cfg["BLOCK_SIZE_N"], n), _fit(cfg["BLOCK_SIZE_K"], k)
-    a_fp8 = quantises_activations(cfg, act_dtype, fp8_weights)
+    a_fp8 = pre or quantises_activations(cfg, act_dtype, fp8_weights)
     if fp8_weights:
         bn = min(bn, FP8_BLOCK)
     if a_fp8:
         bk = group_tile_k(k)
+    if group_n:
+        bn = group_tile_k(n)
     # w8a8 tiles stay e4m3 in shared memory; a widened (W8A16) tile also takes the activation's width there
     elem = act_dtype.itemsize
-    bk, stages = _fit_smem(block_m, bn, bk, cfg["num_stages"], b_tiles, elem, 1 if a_fp8 else elem, fixed_k=a_fp8)
+    bk, stages = _fit_smem(block_m, bn, bk, cfg["num_stages"], b_tiles, 1 if pre else elem, 1 if a_fp8 else elem,
+                           fixed_k=a_fp8)
     return bn, bk, stages, a_fp8
 
 
@@ -506,27 +568,37 @@ def _scale_args(scale: torch.Tensor | None, w: torch.Tensor) -> tuple[torch.Tens
     return scale, scale.stride(0), scale.stride(1)
 
 
-def moe_gate_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, routing: AlignedRouting,
-                top_k: int, swiglu_limit: float, cfg: dict[str, Any], out: torch.Tensor | None = None,
-                scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def moe_gate_up(x: torch.Tensor | QuantRows, w_gate: torch.Tensor, w_up: torch.Tensor, routing: AlignedRouting,
+                top_k: int, swiglu_limit: float, cfg: dict[str, Any], out: torch.Tensor | QuantRows | None = None,
+                scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | QuantRows:
     """First GEMM + clamped SwiGLU: ``h [T*k, I]`` in ``x.dtype`` (pair order; rows of unrouted pairs
-    are never written, but every pair is routed). ``scales``: (gate, up) block scales of fp8 weights."""
-    t, hidden = x.shape
+    are never written, but every pair is routed). ``scales``: (gate, up) block scales of fp8 weights. ``x`` as
+    :class:`QuantRows` (fp8 weights only: the pre-quantised w8a8 mode) gives ``h`` as :class:`QuantRows` too."""
+    pre = isinstance(x, QuantRows)
+    if pre and scales is None:
+        raise ValueError("moe_gate_up: quantised activations (QuantRows) need fp8 experts with their scales")
+    xq = x.q if pre else x
+    t, hidden = xq.shape
     inter = w_gate.shape[1]
-    h = out if out is not None else torch.empty(t * top_k, inter, device=x.device, dtype=x.dtype)
-    bn, bk, stages, a_fp8 = _launch_tiles(cfg, inter, hidden, routing.block_m, 2, x.dtype, scales is not None)
+    h = out if out is not None else QuantRows.empty(t * top_k, inter, x.dtype, x.device) if pre else \
+        torch.empty(t * top_k, inter, device=x.device, dtype=x.dtype)
+    hq = h.q if pre else h
+    bn, bk, stages, a_fp8 = _launch_tiles(cfg, inter, hidden, routing.block_m, 2, x.dtype, scales is not None,
+                                          pre=pre, group_n=pre)
     sg, se, sn = _scale_args(None if scales is None else scales[0], w_gate)
     su, _, _ = _scale_args(None if scales is None else scales[1], w_up)
+    xs, hs = (x.scale, h.scale) if pre else (sg, sg)
     grid = (routing.num_blocks * triton.cdiv(inter, bn),)
     _moe_gate_up_kernel[grid](
-        x, w_gate, w_up, h, routing.sorted_ids, routing.block_expert, routing.total_rows, sg, su,
+        xq, w_gate, w_up, hq, routing.sorted_ids, routing.block_expert, routing.total_rows, sg, su, xs, hs,
         routing.num_pairs, routing.num_blocks, inter, hidden, float(swiglu_limit),
-        x.stride(0), w_gate.stride(0), w_gate.stride(1), h.stride(0), se, sn,
+        xq.stride(0), w_gate.stride(0), w_gate.stride(1), hq.stride(0), se, sn,
+        xs.stride(0) if pre else 0, hs.stride(0) if pre else 0,
         TOP_K=top_k, BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=hidden % bk == 0, IEEE=x.dtype == torch.float32, W_FP8=scales is not None, SB=FP8_BLOCK,
         A_FP8=a_fp8, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX,
-        FP8_ACC=fp8_dot_acc(bk), SWAP_AB=swap_ab(cfg, a_fp8), num_warps=cfg["num_warps"],
-        num_stages=stages, **pdl_kwargs(x.device))
+        FP8_ACC=fp8_dot_acc(bk), SWAP_AB=swap_ab(cfg, a_fp8), A_PRE=pre, H_FP16=x.dtype == torch.float16,
+        num_warps=cfg["num_warps"], num_stages=stages, **pdl_kwargs(x.device))
     return h
 
 
@@ -570,25 +642,31 @@ def moe_sum(y: torch.Tensor, top_k: int, add: torch.Tensor | None = None, block_
     return out
 
 
-def moe_down(h: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, routing: AlignedRouting,
+def moe_down(h: torch.Tensor | QuantRows, w_down: torch.Tensor, topk_weights: torch.Tensor, routing: AlignedRouting,
              cfg: dict[str, Any], out: torch.Tensor | None = None,
              scale: torch.Tensor | None = None) -> torch.Tensor:
     """Second GEMM times the routing weight: ``y [T*k, H]`` in ``h.dtype`` (pair order). ``scale``: the block
-    scales of fp8 ``w_down``."""
-    pairs, inter = h.shape
+    scales of fp8 ``w_down``; ``h`` as :class:`QuantRows` (with ``scale``): the pre-quantised w8a8 mode."""
+    pre = isinstance(h, QuantRows)
+    if pre and scale is None:
+        raise ValueError("moe_down: quantised activations (QuantRows) need fp8 experts with their scales")
+    hq = h.q if pre else h
+    pairs, inter = hq.shape
     hidden = w_down.shape[1]
     y = out if out is not None else torch.empty(pairs, hidden, device=h.device, dtype=h.dtype)
-    bn, bk, stages, a_fp8 = _launch_tiles(cfg, hidden, inter, routing.block_m, 1, h.dtype, scale is not None)
+    bn, bk, stages, a_fp8 = _launch_tiles(cfg, hidden, inter, routing.block_m, 1, h.dtype, scale is not None,
+                                          pre=pre)
     sd, se, sn = _scale_args(scale, w_down)
+    hs = h.scale if pre else sd
     grid = (routing.num_blocks * triton.cdiv(hidden, bn),)
     _moe_down_kernel[grid](
-        h, w_down, y, topk_weights, routing.sorted_ids, routing.block_expert, routing.total_rows, sd,
+        hq, w_down, y, topk_weights, routing.sorted_ids, routing.block_expert, routing.total_rows, sd, hs,
         routing.num_pairs, routing.num_blocks, hidden, inter,
-        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), se, sn,
+        hq.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), se, sn, hs.stride(0) if pre else 0,
         BLOCK_M=routing.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=inter % bk == 0, IEEE=h.dtype == torch.float32, W_FP8=scale is not None, SB=FP8_BLOCK,
         A_FP8=a_fp8, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX,
-        FP8_ACC=fp8_dot_acc(bk), SWAP_AB=swap_ab(cfg, a_fp8), num_warps=cfg["num_warps"],
+        FP8_ACC=fp8_dot_acc(bk), SWAP_AB=swap_ab(cfg, a_fp8), A_PRE=pre, num_warps=cfg["num_warps"],
         num_stages=stages, **pdl_kwargs(h.device))
     return y
 
@@ -668,9 +746,10 @@ def fused_moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
         config = get_config(t, top_k, e, hidden, inter, x.dtype, x.device, fp8_weights=scales is not None)
     else:
         validate_config(config)
-    config = {"A_FP8": default_a_fp8(t), **config}
+    config = {"A_FP8": DEFAULT_A_FP8, **config}
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
     x = x.contiguous()
+    pre = quantises_activations(config, x.dtype, scales is not None) and config["A_FP8"] == 2
     weights = topk_weights.to(torch.float32).contiguous()
     if expert_map is None:
         routing = align_routing(topk_ids, e, config["BLOCK_SIZE_M"])
@@ -678,7 +757,7 @@ def fused_moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
     else:  # id e = "elsewhere": sorted last and never computed, so its rows of y must read as 0
         routing = moe_align_block_size(topk_ids, e + 1, config["BLOCK_SIZE_M"], num_computed_experts=e)
         y_out = torch.zeros(t * top_k, hidden, device=x.device, dtype=x.dtype)
-    h = moe_gate_up(x, w_gate, w_up, routing, top_k, limit, config,
+    h = moe_gate_up(QuantRows.of(x) if pre else x, w_gate, w_up, routing, top_k, limit, config,
                     scales=None if scales is None else (scales[0], scales[1]))
     y = moe_down(h, w_down, weights, routing, down_config(config), out=y_out,
                  scale=None if scales is None else scales[2])
@@ -687,7 +766,7 @@ def fused_moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
     return moe_sum(y, top_k, add)
 
 
-__all__ = ["AlignedRouting", "align_routing", "fused_moe", "moe_align_block_size", "moe_forward_flops_bytes",
+__all__ = ["AlignedRouting", "QuantRows", "align_routing", "fused_moe", "moe_align_block_size", "moe_forward_flops_bytes",
            "get_config", "default_config", "select_config", "load_config_table", "config_file_name",
-           "max_padded_rows", "moe_gate_up", "moe_down", "moe_sum", "down_config", "default_a_fp8", "quantises_activations",
-           "W8A8_MAX_TOKENS", "CONFIG_DIR"]
+           "max_padded_rows", "moe_gate_up", "moe_down", "moe_sum", "down_config", "quantises_activations",
+           "DEFAULT_A_FP8", "CONFIG_DIR"]
