@@ -167,7 +167,9 @@ class Setup:
         from glm5.layers import moe as moe_mod
         orig = moe_mod.route
 
-        self.recording = True
+        # on only for the one eager step that counts the experts: the count (torch.unique) syncs the host, so
+        # a recording hook left on would add a sync per MoE layer to every timed eager step and prefill
+        self.recording = False
 
         def recording_route(*a, **kw):
             r = orig(*a, **kw)
@@ -227,7 +229,6 @@ def captured_decode(s: "Setup", b: int, ctx: int):
     """A CUDA graph of the batch-``b`` decode step alone, captured and replayed a few times on ``b`` requests at
     ``ctx``: ``(stager, planner, runner, rows, graph)``."""
     from glm5.engine.cuda_graph import DecodeAttentionPlanner, DecodeGraphRunner, DecodeStager
-    s.recording = False
     stager = DecodeStager(s.cache, b, s.blocks_per_req, torch.device("cuda"))
     planner = DecodeAttentionPlanner(s.cfg.text, b, torch.bfloat16, torch.device("cuda"))
     runner = DecodeGraphRunner(s.model, s.cache, stager, [b], prepare=planner)
@@ -290,10 +291,11 @@ def run_decode(s: "Setup", batches, ctxs, reps: int, log, graphs: bool = True) -
                 batch = staged(rows, b)
                 s.touched.clear()
                 calls0 = s.par.collective_calls if s.par is not None else 0
+                s.recording = True
                 s.model.forward(batch, s.cache)  # eager, records the experts the routing touches
                 torch.cuda.synchronize()
-                touched = list(s.touched)
                 s.recording = False
+                touched = list(s.touched)
                 row = {"batch": b, "ctx": ctx, "weight_dtype": s.weight_dtype}
                 if s.par is not None:
                     row["collectives_per_step"] = s.par.collective_calls - calls0
@@ -307,11 +309,10 @@ def run_decode(s: "Setup", batches, ctxs, reps: int, log, graphs: bool = True) -
                 else:
                     row.update(step_s=row["eager_step_s"], steps=eager, graph=False)
                 row["tok_s"] = b / row["step_s"]
-                s.recording = True
             except Exception as e:  # record and continue: an OOM at one size must not hide the rest
                 row = {"batch": b, "ctx": ctx, "weight_dtype": s.weight_dtype,
                        "error": f"{type(e).__name__}: {str(e)[:300]}", "trace": traceback.format_exc()[-1200:]}
-                s.recording = True
+                s.recording = False
                 torch.cuda.empty_cache()
             log(row)
             rows_out.append(row)
@@ -359,14 +360,12 @@ def _tag(s: "Setup") -> str:
 
 def kernel_profile(s: "Setup", fn, path: Path, rows: int = 30) -> dict:
     """Run ``fn`` once to warm up, once under the torch profiler; write the kernel table to ``path``."""
-    s.recording = False
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    s.recording = True
     ka = prof.key_averages()
     cuda_events = [e for e in ka if e.device_type.name == "CUDA"]
     table = ka.table(sort_by="self_cuda_time_total", row_limit=rows)
@@ -388,7 +387,7 @@ def prefill_once(s: Setup, n: int, chunk: int, slot: int = 0) -> None:
         s.model.forward(ForwardBatch(input_ids=torch.randint(0, 150000, (m,), device="cuda"),
                                      positions=torch.arange(lo, lo + m, device="cuda"),
                                      seqs=[SeqChunk(0, m, lo, bt, slot)],
-                                     logits_indices=torch.tensor([m - 1], device="cuda")), s.cache)
+                                     logits_indices=torch.full((1,), m - 1, device="cuda")), s.cache)
 
 
 def run_prefill(s: Setup, lengths, chunk: int, log) -> list[dict]:

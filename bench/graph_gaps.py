@@ -7,8 +7,13 @@ config: host staging alone, the replay's GPU span by CUDA events, and a profiler
 memsets and copies with their start times), from which it sums the kernel time inside the graph and each
 idle gap, and ranks the gaps by the kernel before and after them.
 
+``--prefill N`` traces one eager ``N``-token prefill (4096-token chunks, after two warm-ups) instead: its wall
+time, the kernels' busy time, and the idle gaps split by who was late. A gap is *host-late* when the call that
+launched the next kernel returned after the previous kernel had finished (the GPU waited for the CPU); the
+rest of the idle time passed with the next kernel already queued (launch latency, stream dependencies).
+
 Usage: ``python bench/graph_gaps.py OUT.json [--weight-dtype float8_e4m3fn] [--batch 1] [--ctx 1024]
-[--gemv-impl table|gemv|gemv_w8a8|gemv_fma]`` on a CUDA GPU. ``--gemv-impl`` sends every fp8 linear with at
+[--gemv-impl table|gemv|gemv_w8a8|gemv_fma] [--prefill N]`` on a CUDA GPU. ``--gemv-impl`` sends every fp8 linear with at
 most 64 rows (the FMA GEMV: at most 4) to one GEMV implementation with its default tiles instead of the
 measured table's choice (a diagnostic: does mixing implementations cost idle time between them?).
 """
@@ -26,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import Setup, captured_decode, graph_step_anatomy  # noqa: E402
+from bench import Setup, captured_decode, graph_step_anatomy, prefill_once, timed  # noqa: E402
 
 
 def force_gemv_impl(impl: str) -> None:
@@ -46,14 +51,26 @@ def force_gemv_impl(impl: str) -> None:
     fl.select_impl = select
 
 
-def trace_events(prof) -> list[dict]:
-    """GPU activity of a profiler run (kernels, memsets, memcpys), sorted by start: name, cat, ts, dur (µs)."""
+def _trace(prof) -> list[dict]:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.loads(Path(f.name).read_text())["traceEvents"]
-    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
-    return sorted(({"name": e["name"], "cat": e["cat"], "ts": float(e["ts"]), "dur": float(e["dur"])} for e in gpu),
-                  key=lambda e: e["ts"])
+        return json.loads(Path(f.name).read_text())["traceEvents"]
+
+
+def trace_events(prof, raw: list[dict] | None = None) -> list[dict]:
+    """GPU activity of a profiler run (kernels, memsets, memcpys), sorted by start: name, cat, ts, dur (µs) and
+    the correlation id that ties each to the host call that launched it."""
+    raw = _trace(prof) if raw is None else raw
+    gpu = [e for e in raw if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
+    return sorted(({"name": e["name"], "cat": e["cat"], "ts": float(e["ts"]), "dur": float(e["dur"]),
+                    "corr": e.get("args", {}).get("correlation")} for e in gpu), key=lambda e: e["ts"])
+
+
+def launch_ends(raw: list[dict]) -> dict:
+    """Correlation id -> the time (µs) the runtime/driver call that launched it returned."""
+    return {e["args"]["correlation"]: float(e["ts"]) + float(e["dur"]) for e in raw
+            if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")
+            and "correlation" in e.get("args", {})}
 
 
 def short(name: str) -> str:
@@ -64,14 +81,18 @@ def split_steps(events: list[dict], per_step: int) -> list[list[dict]]:
     return [events[i:i + per_step] for i in range(0, len(events) - per_step + 1, per_step)]
 
 
-def analyse(step: list[dict]) -> dict:
-    """Kernel time, idle gaps and their ranking by (previous, next) activity within one replay."""
+def analyse(step: list[dict], launched: dict | None = None) -> dict:
+    """Kernel time, idle gaps and their ranking by (previous, next) activity within one replay (or one eager
+    run); with ``launched`` (``launch_ends``) the idle time is split into host-late and queued gaps."""
     gaps = collections.defaultdict(lambda: [0, 0.0])
     per_kernel = collections.defaultdict(lambda: [0, 0.0])
-    idle = 0.0
+    idle = host_late = 0.0
     for prev, nxt in zip(step, step[1:]):
-        gap = max(0.0, nxt["ts"] - (prev["ts"] + prev["dur"]))
+        prev_end = prev["ts"] + prev["dur"]
+        gap = max(0.0, nxt["ts"] - prev_end)
         idle += gap
+        if launched is not None and launched.get(nxt["corr"], -1.0) > prev_end:
+            host_late += gap
         key = f"{short(prev['name'])} -> {short(nxt['name'])}"
         gaps[key][0] += 1
         gaps[key][1] += gap
@@ -79,7 +100,9 @@ def analyse(step: list[dict]) -> dict:
         per_kernel[short(e["name"])][0] += 1
         per_kernel[short(e["name"])][1] += e["dur"]
     span = step[-1]["ts"] + step[-1]["dur"] - step[0]["ts"]
+    split = {} if launched is None else {"host_late_idle_us": host_late, "queued_idle_us": idle - host_late}
     return {"activities": len(step), "span_us": span, "busy_us": sum(e["dur"] for e in step), "idle_us": idle,
+            **split,
             "non_kernel": collections.Counter(e["cat"] for e in step if e["cat"] != "kernel"),
             "gaps_by_pair": sorted(([k, n, round(t, 2), round(t / n, 2)] for k, (n, t) in gaps.items()),
                                    key=lambda r: -r[2])[:25],
@@ -87,11 +110,30 @@ def analyse(step: list[dict]) -> dict:
                               key=lambda r: -r[2])[:25]}
 
 
+def prefill_timeline(args: argparse.Namespace, out: dict) -> None:
+    """One eager ``args.prefill``-token prefill: wall time, then a trace of it with the host's launch calls."""
+    n, chunk = args.prefill, 4096
+    s = Setup(1, 1024, args.weight_dtype, max_prefill=n)
+    out["prefill_tokens"], out["chunk"] = n, chunk
+    out["wall_s"] = timed(lambda: prefill_once(s, n, chunk), 3, warmup=2)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        prefill_once(s, n, chunk)
+        torch.cuda.synchronize()
+    raw = _trace(prof)
+    out["profile"] = analyse(trace_events(prof, raw), launch_ends(raw))
+
+
 def main(args: argparse.Namespace) -> None:
     force_gemv_impl(args.gemv_impl)
     out: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                  "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
                  "weight_dtype": args.weight_dtype, "batch": args.batch, "ctx": args.ctx, "gemv_impl": args.gemv_impl}
+    if args.prefill:
+        prefill_timeline(args, out)
+        print(json.dumps(out, default=str), flush=True)
+        args.out.write_text(json.dumps(out, indent=1, default=str))
+        return
     b = args.batch
     s = Setup(b, args.ctx, args.weight_dtype)
     captured = captured_decode(s, b, args.ctx)
@@ -128,6 +170,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--gemv-impl", default="table", choices=("table", "gemv", "gemv_w8a8", "gemv_fma"))
+    ap.add_argument("--prefill", type=int, default=0, metavar="N", help="trace an N-token prefill instead")
     return ap.parse_args(argv)
 
 

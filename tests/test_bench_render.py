@@ -125,3 +125,21 @@ def test_bench_imports_run_one_way():
     assert not (_imports(ROOT / "bench" / "render_results.py") & tools)
     assert "render_results" in _imports(ROOT / "bench" / "bench.py")
     assert not (_imports(ROOT / "bench" / "bench.py") & (tools - {"render_results"}))
+
+
+def test_graph_gaps_splits_idle_time_by_who_was_late():
+    """A gap counts as host-late only when the next kernel's launch call returned after the previous kernel ended."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from graph_gaps import analyse, launch_ends
+    kern = [{"name": "a", "cat": "kernel", "ts": 0.0, "dur": 10.0, "corr": 1},
+            {"name": "b", "cat": "kernel", "ts": 14.0, "dur": 10.0, "corr": 2},   # launched at 5: queued gap of 4
+            {"name": "c", "cat": "kernel", "ts": 40.0, "dur": 5.0, "corr": 3}]    # launched at 38: host-late gap of 16
+    raw = [{"ph": "X", "cat": "cuda_runtime", "ts": 1.0, "dur": 2.0, "args": {"correlation": 1}},
+           {"ph": "X", "cat": "cuda_driver", "ts": 4.0, "dur": 1.0, "args": {"correlation": 2}},
+           {"ph": "X", "cat": "cuda_runtime", "ts": 30.0, "dur": 8.0, "args": {"correlation": 3}},
+           {"ph": "X", "cat": "cpu_op", "ts": 0.0, "dur": 50.0, "args": {}}]
+    assert launch_ends(raw) == {1: 3.0, 2: 5.0, 3: 38.0}
+    r = analyse(kern, launch_ends(raw))
+    assert (r["span_us"], r["busy_us"], r["idle_us"]) == (45.0, 25.0, 20.0)
+    assert (r["host_late_idle_us"], r["queued_idle_us"]) == (16.0, 4.0)
+    assert "host_late_idle_us" not in analyse(kern)
