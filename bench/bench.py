@@ -167,8 +167,8 @@ class Setup:
         from glm5.layers import moe as moe_mod
         orig = moe_mod.route
 
-        # on only for the one eager step that counts the experts: the count (torch.unique) syncs the host, so
-        # a recording hook left on would add a sync per MoE layer to every timed eager step and prefill
+        # on only inside experts_touched(): the count (torch.unique) syncs the host, so a hook left on would add
+        # a sync per MoE layer to every timed eager step and prefill
         self.recording = False
 
         def recording_route(*a, **kw):
@@ -178,6 +178,18 @@ class Setup:
             return r
         moe_mod.route = recording_route
         self._restore = lambda: setattr(moe_mod, "route", orig)
+
+    def experts_touched(self, step) -> list[int]:
+        """Run ``step`` (one eager forward) with the routing hook on: the experts each MoE layer's routing touched.
+        The hook is off again afterwards even if ``step`` raises."""
+        self.touched.clear()
+        self.recording = True
+        try:
+            step()
+            torch.cuda.synchronize()
+        finally:
+            self.recording = False
+        return list(self.touched)
 
     def close(self) -> None:
         """Undo the routing hook and drop every GPU tensor (so the HF model fits afterwards)."""
@@ -289,13 +301,8 @@ def run_decode(s: "Setup", batches, ctxs, reps: int, log, graphs: bool = True) -
             try:
                 rows = decode_rows(s, b, ctx)
                 batch = staged(rows, b)
-                s.touched.clear()
                 calls0 = s.par.collective_calls if s.par is not None else 0
-                s.recording = True
-                s.model.forward(batch, s.cache)  # eager, records the experts the routing touches
-                torch.cuda.synchronize()
-                s.recording = False
-                touched = list(s.touched)
+                touched = s.experts_touched(lambda: s.model.forward(batch, s.cache))
                 row = {"batch": b, "ctx": ctx, "weight_dtype": s.weight_dtype}
                 if s.par is not None:
                     row["collectives_per_step"] = s.par.collective_calls - calls0
@@ -312,7 +319,6 @@ def run_decode(s: "Setup", batches, ctxs, reps: int, log, graphs: bool = True) -
             except Exception as e:  # record and continue: an OOM at one size must not hide the rest
                 row = {"batch": b, "ctx": ctx, "weight_dtype": s.weight_dtype,
                        "error": f"{type(e).__name__}: {str(e)[:300]}", "trace": traceback.format_exc()[-1200:]}
-                s.recording = False
                 torch.cuda.empty_cache()
             log(row)
             rows_out.append(row)

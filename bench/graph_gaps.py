@@ -51,16 +51,16 @@ def force_gemv_impl(impl: str) -> None:
     fl.select_impl = select
 
 
-def _trace(prof) -> list[dict]:
+def chrome_events(prof) -> list[dict]:
+    """Every event of a profiler run, as its chrome trace holds them."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         return json.loads(Path(f.name).read_text())["traceEvents"]
 
 
-def trace_events(prof, raw: list[dict] | None = None) -> list[dict]:
+def trace_events(raw: list[dict]) -> list[dict]:
     """GPU activity of a profiler run (kernels, memsets, memcpys), sorted by start: name, cat, ts, dur (µs) and
     the correlation id that ties each to the host call that launched it."""
-    raw = _trace(prof) if raw is None else raw
     gpu = [e for e in raw if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
     return sorted(({"name": e["name"], "cat": e["cat"], "ts": float(e["ts"]), "dur": float(e["dur"]),
                     "corr": e.get("args", {}).get("correlation")} for e in gpu), key=lambda e: e["ts"])
@@ -120,20 +120,12 @@ def prefill_timeline(args: argparse.Namespace, out: dict) -> None:
     with torch.profiler.profile(activities=acts) as prof:
         prefill_once(s, n, chunk)
         torch.cuda.synchronize()
-    raw = _trace(prof)
-    out["profile"] = analyse(trace_events(prof, raw), launch_ends(raw))
+    raw = chrome_events(prof)
+    out["profile"] = analyse(trace_events(raw), launch_ends(raw))
 
 
-def main(args: argparse.Namespace) -> None:
-    force_gemv_impl(args.gemv_impl)
-    out: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
-                 "weight_dtype": args.weight_dtype, "batch": args.batch, "ctx": args.ctx, "gemv_impl": args.gemv_impl}
-    if args.prefill:
-        prefill_timeline(args, out)
-        print(json.dumps(out, default=str), flush=True)
-        args.out.write_text(json.dumps(out, indent=1, default=str))
-        return
+def replay_timeline(args: argparse.Namespace, out: dict) -> None:
+    """The CUDA-graph decode step: host staging and the replay's span, then a trace of replays."""
     b = args.batch
     s = Setup(b, args.ctx, args.weight_dtype)
     captured = captured_decode(s, b, args.ctx)
@@ -143,21 +135,28 @@ def main(args: argparse.Namespace) -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
-    per_step = len(trace_events(prof))
+    per_step = len(trace_events(chrome_events(prof)))
     reps = 5
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             graph.replay()
             torch.cuda.synchronize()
-    events = trace_events(prof)
+    events = trace_events(chrome_events(prof))
     out["activities_per_replay"] = per_step
     steps = [analyse(st) for st in split_steps(events, per_step)] if per_step > 1 else []
     if steps:
-        best = min(steps, key=lambda r: r["span_us"])
         out["replays"] = [{k: r[k] for k in ("span_us", "busy_us", "idle_us")} for r in steps]
-        out["profile"] = best
+        out["profile"] = min(steps, key=lambda r: r["span_us"])
+
+
+def main(args: argparse.Namespace) -> None:
+    force_gemv_impl(args.gemv_impl)
+    out: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
+                 "weight_dtype": args.weight_dtype, "batch": args.batch, "ctx": args.ctx, "gemv_impl": args.gemv_impl}
+    (prefill_timeline if args.prefill else replay_timeline)(args, out)
     print(json.dumps({k: v for k, v in out.items() if k != "profile"}, default=str), flush=True)
-    if steps:
+    if "profile" in out:
         print(json.dumps(out["profile"], default=str), flush=True)
     args.out.write_text(json.dumps(out, indent=1, default=str))
 
