@@ -11,6 +11,15 @@ from CUDA graphs.
 each replayed from a CUDA graph: the index selection (radix select vs a plain ``torch.topk``) at
 context 1K/8K/32K over the 32K-wide block table, sparse MLA with and without valid counts and several
 split/tile choices, and the mHC projection's split-K choices: the data for choosing those defaults.
+
+``python bench/kernel_bench.py --kda OUT.json``: the KDA decode recurrence (64 heads x 128, fp32 states in a slot
+pool, bf16 activations) at batch 1-256, fla's ``fused_recurrent_kda_fwd`` against
+:func:`glm5_kernels.kda_verify.kda_decode_recurrence` at each (value block, warps) tile, from CUDA graphs: the
+state bytes per second against the copy bandwidth, the data behind ``kda_verify.DECODE_TILES``.
+
+``python bench/kernel_bench.py --mhc OUT.json``: one mHC site (n = 4, H = 4096, bf16) at a prefill chunk's 4096
+rows and at 64 rows, the projection's tiles (rows and K per program, split, warps, stages), the row kernel's warps
+and the post kernel's column block and warps, from CUDA graphs, with the bytes each kernel must move.
 """
 
 from __future__ import annotations
@@ -34,12 +43,16 @@ def _run_info() -> dict:
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv)}
 
 
-def main(out: str) -> None:
+def copy_bw() -> float:
+    """Bytes per second (read + write) of a 1 GiB device copy, the roofline's bandwidth."""
     n_bytes = 1 << 30
     a = torch.empty(n_bytes, dtype=torch.uint8, device="cuda").random_()
     b = torch.empty_like(a)
-    bw = 2 * n_bytes / (triton.testing.do_bench(lambda: b.copy_(a), return_mode="median") * 1e-3)
-    del a, b
+    return 2 * n_bytes / (triton.testing.do_bench(lambda: b.copy_(a), return_mode="median") * 1e-3)
+
+
+def main(out: str) -> None:
+    bw = copy_bw()
     rows = []
     slots, h, r, k = 1 << 22, 64, 512, 2051
     lat = torch.randn(slots, r, device="cuda", dtype=torch.bfloat16)
@@ -169,15 +182,130 @@ def router(out: str) -> None:
         json.dump({**_run_info(), "rows": rows}, f, indent=1)
 
 
+def mhc(out: str) -> None:
+    """mHC pre (projection + row kernel) and post tiles at prefill and decode-batch sizes; each variant's output
+    is compared with the default's (the same sums in another split order: close, not equal)."""
+    from glm5_kernels.mhc import mhc_post, mhc_pre
+
+    bw = copy_bw()
+    rows = []
+    n_hc, hid = 4, 4096
+    g = torch.Generator(device="cuda").manual_seed(0)
+    fn = torch.randn(n_hc * (n_hc + 2), n_hc * hid, device="cuda", generator=g) * 0.02
+    base, scale = torch.randn(n_hc * (n_hc + 2), device="cuda", generator=g), torch.rand(3, device="cuda", generator=g)
+    w = torch.ones(hid, device="cuda", dtype=torch.bfloat16)
+    for t in (4096, 64):
+        streams = torch.randn(t, n_hc, hid, device="cuda", dtype=torch.bfloat16, generator=g)
+        y = torch.randn(t, hid, device="cuda", dtype=torch.bfloat16, generator=g)
+        x0, p0, c0 = mhc_pre(streams, fn, base, scale, n_hc, 1e-6, 1e-5, 20, w, 1e-5)
+        row = {"kernel": "mhc_pre", "T": t, "stream_bytes": streams.numel() * 2,
+               "copy_bw_us": (streams.numel() + x0.numel()) * 2 / bw * 1e6,
+               "default_us": graph_us(lambda: mhc_pre(streams, fn, base, scale, n_hc, 1e-6, 1e-5, 20, w, 1e-5))}
+        variants = [dict(block_t=bt, block_k=bk, splits=sp, proj_warps=pw, proj_stages=st)
+                    for bt in (64, 128) for bk in (64, 128) for sp in (None, 16, 32) for pw in (4, 8)
+                    for st in (3, 4)] + [dict(row_warps=rw) for rw in (2, 4, 16)]
+        for v in variants:
+            key = "_".join(f"{k}{v[k]}" for k in v)
+            try:
+                x, p_, c_ = mhc_pre(streams, fn, base, scale, n_hc, 1e-6, 1e-5, 20, w, 1e-5, **v)
+                err = (x.float() - x0.float()).abs().max().item()
+                row[key] = {"us": graph_us(lambda: mhc_pre(streams, fn, base, scale, n_hc, 1e-6, 1e-5, 20, w, 1e-5,
+                                                           **v)), "max_abs_diff": err}
+            except Exception as e:  # out of shared memory / registers for that tile
+                row[key] = f"{type(e).__name__}: {str(e)[:80]}"
+        rows.append(row)
+        print(json.dumps(row)[:2000], flush=True)
+        ref = mhc_post(y, streams, p0, c0)
+        row = {"kernel": "mhc_post", "T": t, "copy_bw_us": (2 * streams.numel() + y.numel()) * 2 / bw * 1e6,
+               "default_us": graph_us(lambda: mhc_post(y, streams, p0, c0))}
+        for bh in (256, 512, 1024, 2048, 4096):
+            for nw in (2, 4, 8):
+                key = f"h{bh}_w{nw}"
+                try:
+                    same = torch.equal(mhc_post(y, streams, p0, c0, block_h=bh, num_warps=nw), ref)
+                    row[key] = {"us": graph_us(lambda: mhc_post(y, streams, p0, c0, block_h=bh, num_warps=nw)),
+                                "equal": same}
+                except Exception as e:
+                    row[key] = f"{type(e).__name__}: {str(e)[:80]}"
+        rows.append(row)
+        print(json.dumps(row)[:2000], flush=True)
+    with open(out, "w") as fh:
+        json.dump({**_run_info(), "copy_bw_Bps": bw, "rows": rows}, fh, indent=1)
+
+
+#: (BV, num_warps) tiles of the KDA decode sweep: at most 128 state floats per thread (no spills).
+KDA_TILES = tuple((bv, w) for bv in (8, 16, 32, 64, 128) for w in (1, 2, 4, 8) if 128 * bv // (32 * w) <= 128)
+
+
+def kda(out: str) -> None:
+    """The KDA decode recurrence at the real head shape, fla's kernel against ours at every tile of
+    :data:`KDA_TILES` (same inputs; the output and state agreement with fla's is recorded with each row)."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    from glm5_kernels.kda_verify import decode_state_bytes, decode_tile, kda_decode_recurrence
+
+    bw = copy_bw()
+    rows = []
+    h, d = 64, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a_log = (torch.randn(h, device="cuda", generator=g) * 0.3).float()
+    dt = (torch.randn(h * d, device="cuda", generator=g) * 0.3).float()
+    for n in (1, 8, 64, 256):
+        conv = torch.randn(3, n, h * d, device="cuda", generator=g).to(torch.bfloat16)
+        q, k, v = (x.view(n, h, d) for x in conv.unbind(0))
+        f = torch.randn(n, h * d, device="cuda", generator=g).to(torch.bfloat16)
+        b = torch.randn(n, h, device="cuda", generator=g).to(torch.bfloat16)
+        pool = torch.randn(n + 8, h, d, d, device="cuda", generator=g) * 0.05
+        slots = torch.randperm(n + 8, device="cuda", generator=g)[:n].to(torch.int32)
+
+        def fla_step(state):
+            o, _ = fused_recurrent_kda_fwd(
+                q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), f.view(n, 1, h, d), b.unsqueeze(1), A_log=a_log,
+                dt_bias=dt, initial_state=state, scale=d ** -0.5, inplace_final_state=True, ssm_state_indices=slots,
+                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                lower_bound=-5.0, out=torch.empty_like(v.unsqueeze(1)))
+            return o[:, 0]
+
+        def ours(state, tile=None):
+            return kda_decode_recurrence(q, k, v, f, b, state, slots, a_log, dt, -5.0, d ** -0.5, tile=tile)
+
+        ref_pool = pool.clone()
+        ref_out = fla_step(ref_pool).float()
+        by = decode_state_bytes(n, h, d)
+        work = pool.clone()
+        row = {"kernel": "kda_decode", "n": n, "H": h, "d": d, "state_bytes": by, "default_tile": decode_tile(n, d)}
+        t = graph_us(lambda: fla_step(work))
+        row["fla_us"], row["fla_frac_copy_bw"] = t, by / (t * 1e-6) / bw
+        for tile in KDA_TILES:
+            key = f"bv{tile[0]}_w{tile[1]}"
+            try:
+                p2 = pool.clone()
+                o = ours(p2, tile).float()
+                err_o = ((o - ref_out).norm() / ref_out.norm()).item()
+                err_s = ((p2 - ref_pool).norm() / ref_pool.norm()).item()
+                t = graph_us(lambda: ours(work, tile))
+                row[key] = {"us": t, "frac_copy_bw": by / (t * 1e-6) / bw, "rel_err_out_vs_fla": err_o,
+                            "rel_err_state_vs_fla": err_s}
+            except Exception as e:  # out of registers / resources for that tile
+                row[key] = f"{type(e).__name__}: {str(e)[:120]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del pool, work, ref_pool
+    with open(out, "w") as fh:
+        json.dump({**_run_info(), "copy_bw_Bps": bw, "rows": rows}, fh, indent=1)
+
+
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="JSON file to write (one row per kernel and shape)")
     ap.add_argument("--small", action="store_true", help="the latency-bound decode kernels instead of sparse MLA")
     ap.add_argument("--router", action="store_true", help="the router's launch configurations instead of sparse MLA")
+    ap.add_argument("--kda", action="store_true", help="the KDA decode recurrence's tiles (and fla's) instead")
+    ap.add_argument("--mhc", action="store_true", help="the mHC kernels' tiles at prefill and batch sizes instead")
     return ap.parse_args(argv)
 
 
 if __name__ == "__main__":
     args = _args()
-    (small if args.small else router if args.router else main)(args.out)
+    (small if args.small else router if args.router else kda if args.kda else mhc if args.mhc else main)(args.out)

@@ -2,9 +2,8 @@
 
 The bench architecture (8 layers: KDA×3, MLA, KDA×3, MLA; dense×3 + MoE×5, mHC 4) with small widths runs one
 batched decode step (the path CUDA graphs capture) on the CPU with the GPU backends chosen explicitly: the
-Triton kernels run under ``TRITON_INTERPRET=1`` and each launch is counted; fla's recurrent KDA kernel (GPU
-only) is replaced by a stand-in that counts one launch; every torch op that launches a CUDA kernel is counted
-by a dispatch mode (views, reshapes and allocations launch none). Widths do not change the count, except that
+Triton kernels run under ``TRITON_INTERPRET=1`` and each launch is counted (the KDA recurrence is our
+``kda_step`` kernel, as on the GPU); every torch op that launches a CUDA kernel is counted by a dispatch mode (views, reshapes and allocations launch none). Widths do not change the count, except that
 cuBLAS may add a split-K reduction kernel to a GEMV, which this model does not see (the H200 profile of
 ``bench/bench.py`` shows them as ``splitKreduce``). Run it with the fusions on (auto) and off
 (``--fuse torch --router torch``) to predict what they save; ``bench/kernel_check.py`` measures the same
@@ -26,7 +25,6 @@ import contextlib  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
-import types  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -100,21 +98,6 @@ def counting_triton(counter: LaunchCounter):
         interpreter.InterpretedFunction.run = orig
 
 
-def _fla_stand_in(counter: LaunchCounter) -> dict:
-    """A stand-in ``fla.ops.kda.fused_recurrent`` whose kernel counts one launch (fla is GPU-only)."""
-    mod = types.ModuleType("fla.ops.kda.fused_recurrent")
-
-    def fused_recurrent_kda_fwd(q, k, v, *a, out=None, **kw):
-        if counter.active:
-            counter.add("fla:fused_recurrent_kda_fwd")
-        with torch.utils._python_dispatch._disable_current_modes():
-            return (torch.zeros_like(v) if out is None else out), None
-    mod.fused_recurrent_kda_fwd = fused_recurrent_kda_fwd
-    mods = {n: types.ModuleType(n) for n in ("fla", "fla.ops", "fla.ops.kda")}
-    mods["fla.ops.kda.fused_recurrent"] = mod
-    return mods
-
-
 def small_bench_config() -> dict:
     """The bench config's structure (layer kinds, mHC, kpool, top-k shape) at CPU-sized widths."""
     from bench import bench_config_dict
@@ -133,7 +116,7 @@ def count_step(fuse: str, router: str, batch: int = 1, ctx: int = 300) -> dict:
     from glm5.cache.hybrid_cache import CacheConfig, HybridCache
     from glm5.config import ModelConfig
     from glm5.engine.cuda_graph import DecodeRows, DecodeStager
-    from glm5.layers import backends, kda
+    from glm5.layers import backends
     from glm5.layers.glm5 import Glm5ForCausalLM
     from glm5.weights import dummy_weights
 
@@ -151,25 +134,15 @@ def count_step(fuse: str, router: str, batch: int = 1, ctx: int = 300) -> dict:
                       block_tables=[list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)])
     step = stager.stage(rows, batch)
     counter = LaunchCounter()
-    saved_kda = kda.kda_backend
-    saved_mods = {n: sys.modules.get(n) for n in ("fla", "fla.ops", "fla.ops.kda", "fla.ops.kda.fused_recurrent")}
     try:
-        backends.set_backends(index="triton", moe="triton", mhc="triton", decode_attn="triton", fuse=fuse,
-                              router=router)
-        kda.kda_backend = lambda device, dtype=None: "fla"
-        sys.modules.update(_fla_stand_in(counter))
+        backends.set_backends(index="triton", moe="triton", mhc="triton", decode_attn="triton", kda_step="triton",
+                              fuse=fuse, router=router)
         with torch.no_grad():
             model.forward(step, cache)         # warm-up: one-time allocations (router semaphores) stay out
             step = stager.stage(rows, batch)
             with counting_triton(counter), counter:
                 model.forward(step, cache)
     finally:
-        kda.kda_backend = saved_kda
-        for n, m in saved_mods.items():
-            if m is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = m
         backends.reset_backends()
     return {"fuse": fuse, "router": router, "batch": batch, "total": sum(counter.by_site.values()),
             "by_site": dict(counter.by_site.most_common()), "by_op": dict(counter.by_op.most_common())}

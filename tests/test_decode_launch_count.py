@@ -35,7 +35,7 @@ def test_fused_decode_step_launches_no_reference_chains(tmp_path):
                 "fused_moe.moe_align_block_size"):
         assert ref not in sites, (ref, sites.get(ref))
     kda, mla, dense, moe = 6, 2, 3, 5                          # the bench architecture's 8 layers
-    want = {"triton:_conv_step_kernel": kda, "triton:_gated_rms_norm_kernel": kda, "fla:fused_recurrent_kda_fwd": kda,
+    want = {"triton:_conv_step_kernel": kda, "triton:_gated_rms_norm_kernel": kda, "triton:_kda_spec_kernel": kda,
             "triton:_rms_norm_kernel": 2 * mla + 1, "triton:_combine_kernel": mla,
             "triton:_sparse_mla_kernel": mla, "triton:_router_kernel": moe, "triton:_align_kernel": moe,
             "triton:_clamped_swiglu_kernel": dense + moe, "triton:_mhc_post_kernel": 2 * (kda + mla),

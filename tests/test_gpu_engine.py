@@ -83,32 +83,35 @@ def _kda_layer_and_cache(ckpt, seed: int):
     return eng.runner, layer, cache, gen
 
 
-def _torch_vs_fla(layer, x, batch, cache, slots: list[int]) -> list[float]:
-    """Run the layer with kda=torch then kda=fla from the same states; relative differences of the
-    output, the recurrent states and the conv states of ``slots``."""
+def _torch_vs_fla(layer, x, batch, cache, slots: list[int], **fast: str) -> list[float]:
+    """Run the layer on the torch KDA path, then with the ``fast`` backends (default: ``kda=fla``) from the same
+    states; relative differences of the output, the recurrent states and the conv states of ``slots``."""
     saved = (cache.conv[layer.layer].clone(), cache.recurrent[layer.layer].clone())
     results = {}
-    for kda in ("torch", "fla"):
+    for name, choice in (("torch", dict(kda="torch", kda_step="torch")), ("fast", fast or dict(kda="fla"))):
         cache.conv[layer.layer].copy_(saved[0])
         cache.recurrent[layer.layer].copy_(saved[1])
-        backends.set_backends(kda=kda)
+        backends.set_backends(**choice)
         out = layer(x, batch, cache)
-        results[kda] = (out.float(), cache.recurrent[layer.layer][slots].float().clone(),
-                        cache.conv[layer.layer][slots].float().clone())
-    backends.set_backends(kda="auto")
-    return [((results["fla"][i] - results["torch"][i]).norm() / results["torch"][i].norm()).item() for i in range(3)]
+        results[name] = (out.float(), cache.recurrent[layer.layer][slots].float().clone(),
+                         cache.conv[layer.layer][slots].float().clone())
+        backends.reset_backends()
+    return [((results["fast"][i] - results["torch"][i]).norm() / results["torch"][i].norm()).item() for i in range(3)]
 
 
-def test_fla_in_kernel_gate_decode_matches_torch_step(refs_and_ckpt):
-    """KDA batched decode: fla's kernel with in-kernel l2 norm / gate / β sigmoid vs the torch step (bf16)."""
+@pytest.mark.parametrize("kernel", ["fla", "kda_step"])
+def test_fla_in_kernel_gate_decode_matches_torch_step(refs_and_ckpt, kernel):
+    """KDA batched decode: fla's recurrent kernel, or ours (the ``kda_step`` backend, the bf16 default), with
+    in-kernel l2 norm / gate / β sigmoid vs the torch step (bf16)."""
     from glm5.engine.cuda_graph import DecodeRows
     refs, ckpt = refs_and_ckpt
     runner, layer, cache, gen = _kda_layer_and_cache(ckpt, seed=0)
     rows = DecodeRows(tokens=[1, 2, 3], positions=[5, 9, 40], state_slots=[2, 0, 7], block_tables=[[0], [1], [2, 3, 4]])
     batch = runner.stager.stage(rows, 3)
     x = torch.randn(3, runner.cfg.text.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
-    rel_o, rel_s, _ = _torch_vs_fla(layer, x, batch, cache, [2, 0, 7])
-    print(f"fla in-kernel gate decode vs torch: rel out {rel_o:.2e}, rel state {rel_s:.2e}")
+    fast = dict(kda="fla", kda_step="torch") if kernel == "fla" else dict(kda="torch", kda_step="triton")
+    rel_o, rel_s, _ = _torch_vs_fla(layer, x, batch, cache, [2, 0, 7], **fast)
+    print(f"{kernel} in-kernel gate decode vs torch: rel out {rel_o:.2e}, rel state {rel_s:.2e}")
     assert rel_o < 2e-2 and rel_s < 1e-2
 
 

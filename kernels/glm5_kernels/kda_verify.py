@@ -1,11 +1,14 @@
-"""KDA recurrences of a speculative step: verify (outputs, state untouched) and commit (state after the
-accepted rows), with their torch references in :mod:`glm5_kernels.kda_verify_ref`.
+"""KDA recurrences over a state-slot pool: the batched decode step (outputs, state updated in place), and a
+speculative step's verify (outputs, state untouched) and commit (state after the accepted rows), with their
+torch references in :mod:`glm5_kernels.kda_verify_ref`.
 
 One program per (request, head, block of value channels) keeps its ``[d_k, BV]`` fp32 slice of the state in
-registers while it walks the request's rows, so the state is read once per call whatever ``T`` is. The
+registers while it walks the request's rows, so the state is read once per call whatever ``T`` is. A decode
+step is bound by the state's bytes (each request reads and writes ``heads × d × d`` fp32 per layer: 4 MiB at
+the real shape), so its value block and warp count come from a measured table (:data:`DECODE_TILES`). The
 l2 norms of q and k, the bounded (or softplus) forget gate and the β sigmoid are computed in the kernel from
 the layer's raw tensors, as fla's decode kernel does (no fp32 intermediates in memory, a few launches fewer
-per layer). Both launches are sync-free and CUDA-graph capturable: the accepted lengths are a device tensor.
+per layer). Every launch is sync-free and CUDA-graph capturable: slots and accepted lengths are device tensors.
 """
 
 from __future__ import annotations
@@ -22,7 +25,12 @@ def _kda_spec_kernel(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, a_log_ptr, dt_ptr, state
                      stride_qn, stride_qt, stride_fn, stride_ft, stride_bn, stride_bt, stride_on, stride_ot,
                      stride_ss,
                      H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, BOUNDED: tl.constexpr,
-                     WRITE_OUT: tl.constexpr, COMMIT: tl.constexpr, USE_PDL: tl.constexpr = False):
+                     WRITE_OUT: tl.constexpr, ROWS_FROM_N_VALID: tl.constexpr, STORE_STATE: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
+    """Rows ``0 .. T-1`` of request ``n`` (``ROWS_FROM_N_VALID``: only the first ``n_valid[n]``) through the
+    recurrence from ``state[slots[n]]``; ``WRITE_OUT`` stores each row's output (in ``o``'s dtype),
+    ``STORE_STATE`` writes the final state back to the slot. Decode = out + store, verify = out, commit =
+    n_valid rows + store."""
     pdl_enter(USE_PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -33,7 +41,7 @@ def _kda_spec_kernel(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, a_log_ptr, dt_ptr, state
     s_off = slot * stride_ss + h * D * D + dk[:, None] * D + dv[None, :]
     state = tl.load(state_ptr + s_off)                                   # [D, BV] fp32
     rows = T
-    if COMMIT:
+    if ROWS_FROM_N_VALID:
         rows = tl.minimum(tl.load(nvalid_ptr + n), T)
     rate = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     dt = tl.load(dt_ptr + h * D + dk).to(tl.float32)
@@ -56,12 +64,29 @@ def _kda_spec_kernel(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, a_log_ptr, dt_ptr, state
         state = state + kk[:, None] * delta[None, :]
         if WRITE_OUT:
             o = tl.sum(state * q[:, None], 0)
-            tl.store(o_ptr + n * stride_on + t * stride_ot + h * D + dv, o)
-    if COMMIT:
+            tl.store(o_ptr + n * stride_on + t * stride_ot + h * D + dv, o.to(o_ptr.dtype.element_ty))
+    if STORE_STATE:
         tl.store(state_ptr + s_off, state)
 
 
-def _launch(q, k, v, f, b, state_pool, slots, n_valid, a_log, dt_bias, lower_bound, scale, out, commit):
+#: Decode tiles ``(max rows, BV, num_warps)``: the first entry whose row bound covers the batch wins. Measured
+#: with ``bench/kernel_bench.py --kda`` (H = 64, d = 128, CUDA-graph replay) on the H200 at 2026-12-04 02:08 UTC
+#: (bench/results/kda_decode_h200.json): at n = 64 / 256 the 64-column block with 4 warps moves the states at
+#: 86 / 89 % of the copy bandwidth (146 / 565 µs; fla's 32-column tile 174 / 837 µs); at n = 1 / 8 the step is
+#: latency-bound and 32 columns with 2 warps is the fastest (8.8 / 24.8 µs; fla 9.5 / 29.4).
+DECODE_TILES: tuple[tuple[int, int, int], ...] = ((8, 32, 2), (1 << 62, 64, 4))
+
+
+def decode_tile(n: int, d: int) -> tuple[int, int]:
+    """``(BV, num_warps)`` of a decode step over ``n`` rows with head dim ``d`` (:data:`DECODE_TILES`)."""
+    for rows, bv, warps in DECODE_TILES:
+        if n <= rows:
+            return min(bv, d), (warps if d >= 64 else 1)
+    return min(32, d), 4
+
+
+def _launch(q, k, v, f, b, state_pool, slots, n_valid, a_log, dt_bias, lower_bound, scale, out, commit, store,
+            tile: tuple[int, int] | None = None):
     n, t, h, d = q.shape
     if d & (d - 1) or d < 16:
         raise ValueError(f"KDA head_dim {d}: the verify kernel takes a power of two >= 16")
@@ -74,15 +99,42 @@ def _launch(q, k, v, f, b, state_pool, slots, n_valid, a_log, dt_bias, lower_bou
                              "contiguous heads")
     if f.stride(-1) != 1 or b.stride(-1) != 1:
         raise ValueError("f and b need a contiguous last dim")
-    bv = min(32, d)
+    bv, warps = tile if tile is not None else (min(32, d), 4 if d >= 64 else 1)
+    if d % bv:
+        raise ValueError(f"value block {bv} does not divide head_dim {d}")
     _kda_spec_kernel[(n, h, d // bv)](
-        q, k, v, f, b, a_log.float().reshape(-1).contiguous(), dt_bias.float().reshape(-1).contiguous(), state_pool,
-        slots.to(torch.int64).contiguous(), n_valid if n_valid is not None else slots, out if out is not None else q,
+        q, k, v, f, b, _flat_f32(a_log), _flat_f32(dt_bias), state_pool, slots if slots.is_contiguous() else
+        slots.contiguous(), n_valid if n_valid is not None else slots, out if out is not None else q,
         t, float(lower_bound if lower_bound is not None else 0.0), float(scale),
         q.stride(0), q.stride(1), f.stride(0), f.stride(1), b.stride(0), b.stride(1),
         out.stride(0) if out is not None else 0, out.stride(1) if out is not None else 0, state_pool.stride(0),
-        H=h, D=d, BV=bv, BOUNDED=lower_bound is not None, WRITE_OUT=out is not None, COMMIT=commit,
-        num_warps=4 if d >= 64 else 1, **pdl_kwargs(q.device))
+        H=h, D=d, BV=bv, BOUNDED=lower_bound is not None, WRITE_OUT=out is not None, ROWS_FROM_N_VALID=commit,
+        STORE_STATE=store, num_warps=warps, **pdl_kwargs(q.device))
+
+
+def _flat_f32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a flat contiguous fp32 tensor; the tensor itself when it is one already (no copy kernel in a
+    captured graph: the layer passes its flattened fp32 gate parameters)."""
+    if x.dtype == torch.float32 and x.dim() == 1 and x.is_contiguous():
+        return x
+    return x.float().reshape(-1).contiguous()
+
+
+def kda_decode_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                          state_pool: torch.Tensor, slots: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                          lower_bound: float | None, scale: float, tile: tuple[int, int] | None = None
+                          ) -> torch.Tensor:
+    """Triton version of :func:`~glm5_kernels.kda_verify_ref.kda_decode_recurrence_ref`: one token per request
+    (``q, k, v [N, H, d]``, ``f [N, H·d]``, ``b [N, H]``), ``state_pool[slots]`` updated in place; the output
+    ``[N, H, d]`` in ``q``'s dtype. ``tile`` = ``(BV, num_warps)`` overrides :func:`decode_tile` (tuning)."""
+    n, h, d = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
+    _launch(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), f.unsqueeze(1), b.unsqueeze(1), state_pool, slots,
+            None, a_log, dt_bias, lower_bound, scale, out.unsqueeze(1), commit=False, store=True,
+            tile=tile or decode_tile(n, d))
+    return out
 
 
 def kda_verify_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
@@ -91,7 +143,8 @@ def kda_verify_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
     """Triton version of :func:`~glm5_kernels.kda_verify_ref.kda_verify_recurrence_ref` (same arguments;
     ``[N, T, H, d]`` fp32, the pool is not written)."""
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    _launch(q, k, v, f, b, state_pool, slots, None, a_log, dt_bias, lower_bound, scale, out, commit=False)
+    _launch(q, k, v, f, b, state_pool, slots, None, a_log, dt_bias, lower_bound, scale, out, commit=False,
+            store=False)
     return out
 
 
@@ -100,7 +153,7 @@ def kda_commit_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: 
                           dt_bias: torch.Tensor, lower_bound: float | None, scale: float) -> None:
     """Triton version of :func:`~glm5_kernels.kda_verify_ref.kda_commit_recurrence_ref` (in place)."""
     _launch(q, k, v, f, b, state_pool, slots, n_valid.to(torch.int32).contiguous(), a_log, dt_bias, lower_bound,
-            scale, None, commit=True)
+            scale, None, commit=True, store=True)
 
 
 def verify_state_bytes(n: int, heads: int, d: int) -> int:
@@ -108,4 +161,10 @@ def verify_state_bytes(n: int, heads: int, d: int) -> int:
     return 3 * n * heads * d * d * 4
 
 
-__all__ = ["kda_commit_recurrence", "kda_verify_recurrence", "verify_state_bytes"]
+def decode_state_bytes(n: int, heads: int, d: int) -> int:
+    """State bytes a decode step moves: one read and one write of each request's fp32 state."""
+    return 2 * n * heads * d * d * 4
+
+
+__all__ = ["DECODE_TILES", "decode_state_bytes", "decode_tile", "kda_commit_recurrence", "kda_decode_recurrence",
+           "kda_verify_recurrence", "verify_state_bytes"]

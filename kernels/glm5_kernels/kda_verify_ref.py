@@ -1,5 +1,5 @@
-"""Torch references of the KDA speculative-verification recurrences (:mod:`glm5_kernels.kda_verify`), also
-the engine's torch path.
+"""Torch references of the KDA recurrences over a state-slot pool (:mod:`glm5_kernels.kda_verify`): the batched
+decode step and the speculative-verification pair, also the engine's torch path.
 
 A speculative step runs ``T = k + 1`` rows per request through every KDA layer. Rolling a rejected suffix
 back does not need a state per row: the state in the request's slot is left as it was before the step
@@ -68,6 +68,19 @@ def kda_verify_recurrence_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
+def kda_decode_recurrence_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
+                              b: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+                              a_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
+                              scale: float) -> torch.Tensor:
+    """One decode token per request: ``q, k, v [N, H, d]``, ``f [N, H·d]``, ``b [N, H]``; ``state_pool[slots]``
+    ← the state after the token (in place), returns the output ``[N, H, d]`` in ``q``'s dtype."""
+    state = state_pool.index_select(0, slots)
+    o, state = kda_step(state, *_row_inputs(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), f.unsqueeze(1),
+                                            b.unsqueeze(1), 0, a_log, dt_bias, lower_bound, scale))
+    state_pool.index_copy_(0, slots, state.to(state_pool.dtype))
+    return o.to(q.dtype)
+
+
 def kda_commit_recurrence_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
                               b: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
                               n_valid: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -83,4 +96,5 @@ def kda_commit_recurrence_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     state_pool.index_copy_(0, slots, state.to(state_pool.dtype))
 
 
-__all__ = ["kda_commit_recurrence_ref", "kda_gate", "kda_step", "kda_verify_recurrence_ref"]
+__all__ = ["kda_commit_recurrence_ref", "kda_decode_recurrence_ref", "kda_gate", "kda_step",
+           "kda_verify_recurrence_ref"]

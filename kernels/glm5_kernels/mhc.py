@@ -170,7 +170,8 @@ def _check_streams(streams: torch.Tensor, n: int) -> tuple[int, int]:
 def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int,
             eps: float, norm_eps: float, iters: int, block_norm_w: torch.Tensor | None = None,
             block_norm_eps: float | None = None, splits: int | None = None,
-            block_k: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            block_k: int = 64, block_t: int | None = None, proj_warps: int = 4, proj_stages: int | None = None,
+            row_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused :func:`~glm5_kernels.mhc_ref.mhc_pre_ref`: streams ``[T, n, H]`` → ``(x [T, H], post [T, n], comb [T, n, n])``.
 
     ``fn [n(n+2), nH]``, ``base [n(n+2)]``, ``scale [3]`` are fp32 (as the layer stores them);
@@ -206,7 +207,8 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     comb = torch.empty(t, n, n, device=dev, dtype=torch.float32)
     if t == 0:
         return out, post, comb
-    block_t = _BLOCK_T_LARGE if t >= _LARGE_T else _BLOCK_T
+    if block_t is None:
+        block_t = _BLOCK_T_LARGE if t >= _LARGE_T else _BLOCK_T
     row_blocks = triton.cdiv(t, block_t)
     kblocks = triton.cdiv(k, block_k)
     if splits is None:
@@ -221,23 +223,24 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         MIX=mix, MIX_PAD=mix_pad, SPLITS=splits, BLOCK_T=block_t, BLOCK_K=block_k,
         # 16-bit streams are exact in tf32, so tf32x3 (fn split into two tf32 halves) keeps fp32 accuracy on
         # tensor cores; the FMA "ieee" dot made this projection 15 % of an 8K prefill. fp32 streams stay ieee.
-        PRECISION="ieee" if streams.dtype == torch.float32 else "tf32x3", num_warps=4, **pdl_kwargs(streams.device))
+        PRECISION="ieee" if streams.dtype == torch.float32 else "tf32x3", num_warps=proj_warps,
+        **({} if proj_stages is None else {"num_stages": proj_stages}), **pdl_kwargs(streams.device))
     _mhc_pre_row_kernel[(t,)](
         streams, part, base, scale, block_norm_w if block_norm_w is not None else out, out, post, comb,
         h, k, streams.stride(0), out.stride(0), eps, norm_eps, beps, iters,
         N=n, MIX=mix, MIX_PAD=mix_pad, SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
-        BLOCK_H=block_h, HAS_NORM=block_norm_w is not None, num_warps=8 if block_h >= 2048 else 4,
-        **pdl_kwargs(streams.device))
+        BLOCK_H=block_h, HAS_NORM=block_norm_w is not None,
+        num_warps=row_warps if row_warps is not None else 8 if block_h >= 2048 else 4, **pdl_kwargs(streams.device))
     return out, post, comb
 
 
 def mhc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-             block_h: int = 512) -> torch.Tensor:
+             block_h: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Fused :func:`~glm5_kernels.mhc_ref.mhc_post_ref`: ``X'[j] = post[j]·y + Σ_i comb[i, j]·X[i]`` → ``[T, n, H]``.
 
     ``block_out`` ``[T, H]`` and ``streams`` ``[T, n, H]`` share a dtype (the result's); ``post``
     ``[T, n]`` and ``comb`` ``[T, n, n]`` are fp32 and are rounded to that dtype first, as the
-    reference does.
+    reference does. ``block_h`` / ``num_warps`` (columns and warps per program) default to :func:`post_tile`.
     """
     if streams.dim() != 3:
         raise ValueError(f"streams must be [T, n, H], got {tuple(streams.shape)}")
@@ -253,11 +256,21 @@ def mhc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
     out = torch.empty_like(streams)
     if t == 0:
         return out
-    block_h = min(block_h, triton.next_power_of_2(h))
+    tile_h, tile_w = post_tile(t)
+    block_h = min(block_h or tile_h, triton.next_power_of_2(h))
+    num_warps = num_warps or tile_w
     _mhc_post_kernel[(t, triton.cdiv(h, block_h))](
         block_out, streams, post, comb, out, h, block_out.stride(0), streams.stride(0), out.stride(0),
-        N=n, BLOCK_H=block_h, num_warps=4, **pdl_kwargs(streams.device))
+        N=n, BLOCK_H=block_h, num_warps=num_warps, **pdl_kwargs(streams.device))
     return out
+
+
+def post_tile(t: int) -> tuple[int, int]:
+    """``(block_h, num_warps)`` of :func:`mhc_post` for ``t`` rows. Measured at n = 4, H = 4096, bf16 from CUDA
+    graphs (``bench/kernel_bench.py --mhc``, H200, 2026-12-04 02:19 UTC, bench/results/mhc_tiles_h200.json): from 64
+    rows on 2048 columns on 8 warps (T = 4096: 79.4 µs against 107.1 with 512 on 4, the copy floor 71.2; T = 64:
+    6.4 against 8.1); the output is bitwise the same (each element's sum does not depend on the tile)."""
+    return (2048, 8) if t >= 64 else (512, 4)
 
 
 # ---------------------------------------------------------------------------------------- benchmark
@@ -298,4 +311,4 @@ def bench_mhc(tokens: tuple[int, ...] = (1, 8, 64, 4096), h: int = 4096, n: int 
     return rows
 
 
-__all__ = ["mhc_pre", "mhc_post", "bench_mhc"]
+__all__ = ["mhc_pre", "mhc_post", "post_tile", "bench_mhc"]

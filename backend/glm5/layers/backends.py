@@ -17,8 +17,8 @@ The choices (each set by ``GLM5_<NAME>_BACKEND`` or :func:`set_backends`):
 * ``fp8_linear``: linears stored in block-scaled fp8 - ``triton`` (:mod:`glm5_kernels.fp8_linear`: our fp8
   GEMV / small-M GEMM, ``torch._scaled_mm`` or a Triton w8a8 GEMM, chosen per shape) or ``torch`` (dequantise
   the weight on every call, :mod:`glm5_kernels.fp8_ref`).
-* ``spec_kda``: the KDA recurrences of batched speculative verification and its commit
-  (:mod:`glm5_kernels.kda_verify`, Triton) or their torch references.
+* ``kda_step``: the KDA recurrences of the batched path over the state-slot pool - the decode step,
+  speculative verification and its commit (:mod:`glm5_kernels.kda_verify`, Triton) or their torch references.
 * ``router``: the MoE router (GEMM, sigmoid, bias, grouped top-k, renormalisation): ``triton``
   (:mod:`glm5_kernels.router`, a bf16 GEMM with fp32 accumulation and a selection launch; bf16 models on CUDA) or
   ``torch`` (fp32 GEMM, the reference).
@@ -38,7 +38,7 @@ interpreter (tests of the kernels inside the layers; never ``auto``).
 One documented exception inside the fla path: speculative-verification chunks of the per-request path
 (steps that mix verification with prefill) run the reference recurrence, because they must leave the
 state unwritten until the commit; they are a few rows per request. Verification on the batched path
-takes ``spec_kda``.
+takes ``kda_step``.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ MOE_CHOICES = ("auto", "torch", "triton")
 INDEX_CHOICES = ("auto", "torch", "triton")
 MHC_CHOICES = ("auto", "torch", "triton")
 FP8_LINEAR_CHOICES = ("auto", "torch", "triton")
-SPEC_KDA_CHOICES = ("auto", "torch", "triton")
+KDA_STEP_CHOICES = ("auto", "torch", "triton")
 ROUTER_CHOICES = ("auto", "torch", "triton")
 FUSE_CHOICES = ("auto", "torch", "triton")
 
@@ -75,7 +75,7 @@ class BackendUnavailable(RuntimeError):
 
 def set_backends(kda: str | None = None, attn: str | None = None, decode_attn: str | None = None,
                  sampling: str | None = None, moe: str | None = None, index: str | None = None,
-                 mhc: str | None = None, fp8_linear: str | None = None, spec_kda: str | None = None,
+                 mhc: str | None = None, fp8_linear: str | None = None, kda_step: str | None = None,
                  router: str | None = None, fuse: str | None = None) -> None:
     """Override the environment for this process (``None`` leaves a setting unchanged)."""
     for name, value, choices in (("kda", kda, KDA_CHOICES), ("attn", attn, ATTN_CHOICES),
@@ -83,7 +83,7 @@ def set_backends(kda: str | None = None, attn: str | None = None, decode_attn: s
                                  ("sampling", sampling, SAMPLING_CHOICES), ("moe", moe, MOE_CHOICES),
                                  ("index", index, INDEX_CHOICES), ("mhc", mhc, MHC_CHOICES),
                                  ("fp8_linear", fp8_linear, FP8_LINEAR_CHOICES),
-                                 ("spec_kda", spec_kda, SPEC_KDA_CHOICES),
+                                 ("kda_step", kda_step, KDA_STEP_CHOICES),
                                  ("router", router, ROUTER_CHOICES), ("fuse", fuse, FUSE_CHOICES)):
         if value is not None:
             _validate(name, value, choices)
@@ -258,11 +258,15 @@ def index_backend(device: torch.device, dtype: torch.dtype | None = None) -> str
     return _triton_or_torch("index", INDEX_CHOICES, device, dtype)
 
 
-def spec_kda_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
+def kda_step_backend(device: torch.device, dtype: torch.dtype | None = None, decode: bool = False) -> str:
     """``"triton"`` (:mod:`glm5_kernels.kda_verify`: one program per request, head and value block walks the
-    verification rows with the state in registers) or ``"torch"`` (the references) for the KDA recurrences of
-    batched speculative verification and its commit."""
-    return _triton_or_torch("spec_kda", SPEC_KDA_CHOICES, device, dtype)
+    request's rows with the state in registers) or ``"torch"`` (the references) for the KDA recurrences of the
+    batched path: speculative verification and its commit, and (``decode``) the decode step. ``auto`` sends
+    verification in bf16 and fp32 to the kernels, the decode step in bf16 only: an fp32 decode step keeps the
+    path the fp32 oracle tests pin (the torch recurrence under ``kda`` auto). An explicit ``torch`` decode step
+    leaves it to the ``kda`` choice (fla's recurrent kernel or the torch step)."""
+    return _triton_or_torch("kda_step", KDA_STEP_CHOICES, device, dtype,
+                            auto_dtypes=(torch.bfloat16,) if decode else TRITON_DTYPES)
 
 
 def router_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
