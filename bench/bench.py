@@ -564,6 +564,9 @@ def main() -> int:
                     help="decode contexts in tokens (default 1024 8192 32768; --quick: 1024 8192)")
     ap.add_argument("--prefill-tokens", type=int, nargs="+",
                     help="prefill lengths (default 1024 8192 32768; --quick: 1024 8192)")
+    ap.add_argument("--prefill-chunks", type=int, nargs="+",
+                    help="prefill chunk sizes, each a row per prompt (default: the engine's token budget on this GPU, "
+                         "glm5.engine.args.default_max_num_batched_tokens: 8192 on an H200); the first is profiled")
     ap.add_argument("--skip-hf", action="store_true", help="do not run transformers' model")
     ap.add_argument("--profile-prefill", action="store_true", help="also profile one 8K prefill (kernel table)")
     ap.add_argument("--profile-batches", type=int, nargs="*", default=[1, 64],
@@ -600,7 +603,9 @@ def main() -> int:
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
            "config": bench_config_dict()["text_config"],
            "backends": {name: fn(torch.device("cuda")) for name, fn in (
-               ("kda", lambda d: backends.kda_backend(d, torch.bfloat16)), ("prefill_attn", backends.attn_backend),
+               ("kda", lambda d: backends.kda_backend(d, torch.bfloat16)),
+               ("kda_decode_step", lambda d: backends.kda_step_backend(d, torch.bfloat16, decode=True)),
+               ("prefill_attn", backends.attn_backend),
                ("decode_attn", lambda d: backends.decode_attn_backend(d, torch.bfloat16, 512)),
                ("index", backends.index_backend), ("moe", backends.moe_backend),
                ("fp8_linear", backends.fp8_linear_backend))}}
@@ -615,6 +620,8 @@ def main() -> int:
     batches = args.batches or ([1, 8] if args.quick else [1, 8, 64, 256])
     ctxs = args.contexts or ([1024, 8192] if args.quick else [1024, 8192, 32768])
     prefill_lens = args.prefill_tokens or ([1024, 8192] if args.quick else [1024, 8192, 32768])
+    from glm5.engine.args import default_max_num_batched_tokens
+    chunks = args.prefill_chunks or [default_max_num_batched_tokens(torch.device("cuda"))]
     if args.hf_only:
         s = Setup(1, 1024)
         res["decode"] = run_decode(s, [1], [1024], reps=5, log=log)
@@ -638,10 +645,11 @@ def main() -> int:
         s = Setup(max(batches), max(ctxs), wdt, max_prefill=max(prefill_lens))
         res["weights_bytes"][wdt] = {"nonrouted": s.nonrouted_bytes, "per_expert": s.expert_bytes}
         log({"weight_dtype": wdt, **res["weights_bytes"][wdt]})
-        res["prefill"] += run_prefill(s, prefill_lens, 4096, log)
+        for chunk in chunks:
+            res["prefill"] += run_prefill(s, prefill_lens, chunk, log)
         if args.profile_prefill:
             try:
-                prof = profile_prefill(s, 8192, 4096, args.out)
+                prof = profile_prefill(s, 8192, chunks[0], args.out)
             except Exception as e:
                 prof = {"weight_dtype": wdt, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             res["profile_prefill" if wdt == "bfloat16" else "profile_prefill_fp8"] = prof

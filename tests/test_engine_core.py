@@ -556,3 +556,24 @@ def test_request_metrics_and_engine_stats(tiny_checkpoint_dir: Path) -> None:
     assert s.prompt_tokens_total == sum(map(len, prompts))
     assert s.generation_tokens_total == sum(max_tokens)
     assert_idle_and_empty(eng)
+
+
+def test_token_budget_default_depends_on_the_device(tiny_checkpoint_dir: Path) -> None:
+    """Unset ``max_num_batched_tokens``: 8192 on a CUDA GPU of >= 70 GiB (fewer expert-weight reads per prompt:
+    the H200 chunk table in docs/benchmarks.md), 2048 on smaller GPUs and the CPU; an explicit value wins."""
+    import torch
+
+    from glm5.engine.args import EngineArgs, default_max_num_batched_tokens
+    gib = 2 ** 30
+    cuda = torch.device("cuda")
+    assert default_max_num_batched_tokens(cuda, 141 * gib) == 8192
+    assert default_max_num_batched_tokens(cuda, 70 * gib) == 8192
+    assert default_max_num_batched_tokens(cuda, 40 * gib) == 2048
+    assert default_max_num_batched_tokens(torch.device("cpu")) == 2048
+    assert EngineArgs(model="x").max_num_batched_tokens is None
+    assert EngineArgs.from_dict({"model": "x", "max_num_batched_tokens": ""}).max_num_batched_tokens is None
+    assert EngineArgs.from_dict({"model": "x", "max_num_batched_tokens": "512"}).batched_tokens_budget(cuda) == 512
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineArgs(model="x", max_num_batched_tokens=0)
+    eng = engine(tiny_checkpoint_dir, max_num_batched_tokens=None)
+    assert eng.scheduler.max_num_batched_tokens == 2048

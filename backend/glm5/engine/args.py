@@ -11,6 +11,23 @@ import torch
 
 from glm5.distributed import ParallelConfig
 
+#: Prefill token budget of one step when ``max_num_batched_tokens`` is unset: on a CUDA device of at least
+#: LARGE_GPU_GIB (H100 / H200 class) the larger budget, as vLLM's API server defaults on such GPUs; else the smaller.
+#: Each prefill chunk reads every routed expert's weights once, so at the bench config an 8K prompt took 175 ms in
+#: 2048-token chunks, 134 ms in 4096 and 120 ms in 8192 (bf16, H200, 2026-12-04; docs/benchmarks.md). The price is
+#: a longer step for the decodes that share it.
+BATCHED_TOKENS_LARGE_GPU, BATCHED_TOKENS_DEFAULT, LARGE_GPU_GIB = 8192, 2048, 70
+
+
+def default_max_num_batched_tokens(device: torch.device, total_memory_bytes: int | None = None) -> int:
+    """The step's token budget for ``device`` when the setting is unset (:data:`BATCHED_TOKENS_LARGE_GPU`)."""
+    if device.type != "cuda":
+        return BATCHED_TOKENS_DEFAULT
+    if total_memory_bytes is None:
+        total_memory_bytes = torch.cuda.get_device_properties(device).total_memory
+    return BATCHED_TOKENS_LARGE_GPU if total_memory_bytes >= LARGE_GPU_GIB * 2 ** 30 else BATCHED_TOKENS_DEFAULT
+
+
 #: where the prefix cache can take state snapshots (glm5.engine.kv_cache_manager explains each)
 SNAPSHOT_POINTS = ("request_end", "preempted", "prompt_end", "junction")
 
@@ -22,7 +39,7 @@ class EngineArgs:
     device: str = "auto"                # auto | cpu | cuda | cuda:N
     max_model_len: int = 4096
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # tokens per step; None: default_max_num_batched_tokens(device)
     num_cache_blocks: int | None = None  # None: sized from cache_memory_gb
     cache_memory_gb: float = 1.0
     block_size: int = 64
@@ -67,7 +84,9 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         checks = [("max_model_len", self.max_model_len, 1), ("max_num_seqs", self.max_num_seqs, 1),
-                  ("max_num_batched_tokens", self.max_num_batched_tokens, 1), ("block_size", self.block_size, 1)]
+                  ("block_size", self.block_size, 1)]
+        if self.max_num_batched_tokens is not None:
+            checks.append(("max_num_batched_tokens", self.max_num_batched_tokens, 1))
         for name, value, low in checks:
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}={value!r}: must be an integer >= {low}")
@@ -146,6 +165,12 @@ class EngineArgs:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but no CUDA device is available; use device=cpu")
         return dev
+
+    def batched_tokens_budget(self, device: torch.device) -> int:
+        """``max_num_batched_tokens``, or when unset the default for ``device`` (the engine's, once it is known)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return default_max_num_batched_tokens(device)
 
     @property
     def torch_dtype(self) -> torch.dtype:

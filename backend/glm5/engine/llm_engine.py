@@ -157,7 +157,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.kv_cache_view(), cache_cfg.num_blocks, cache_cfg.num_state_slots,
                                  self._prefix_cache_config(args), pool_cls=self.runner.snapshot_pool_cls)
         self.blocks, self.slots = self.kv.blocks, self.kv.slots
-        self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.batched_tokens_budget(self.device))
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         self._requests: dict[str, _RequestState] = {}
         self._pending_outputs: list[RequestOutput] = []

@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (default: 8192 on a CUDA GPU of 70 GiB or more, else 2048)")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--num-cache-blocks", type=int, default=None)
     p.add_argument("--num-speculative-tokens", type=int, default=0)
