@@ -17,7 +17,8 @@ pool, bf16 activations) at batch 1-256, fla's ``fused_recurrent_kda_fwd`` agains
 :func:`glm5_kernels.kda_verify.kda_decode_recurrence` at each (value block, warps) tile, from CUDA graphs: the
 state bytes per second against the copy bandwidth, the data behind ``kda_verify.DECODE_TILES``.
 
-``python bench/kernel_bench.py --mhc OUT.json``: one mHC site (n = 4, H = 4096, bf16) at a prefill chunk's 4096
+``python bench/kernel_bench.py --mhc OUT.json [--no-tiles]``: one mHC site (n = 4, H = 4096, bf16): mHC pre at
+512-8192 rows with the tf32x3 and the bf16x3 projection; then (unless ``--no-tiles``) at a prefill chunk's 4096
 rows and at 64 rows, the projection's tiles (rows and K per program, split, warps, stages), the row kernel's warps
 and the post kernel's column block and warps, from CUDA graphs, with the bytes each kernel must move.
 """
@@ -182,10 +183,12 @@ def router(out: str) -> None:
         json.dump({**_run_info(), "rows": rows}, f, indent=1)
 
 
-def mhc(out: str) -> None:
+def mhc(out: str, tiles: bool = True) -> None:
     """mHC pre (projection + row kernel) and post tiles at prefill and decode-batch sizes; each variant's output
-    is compared with the default's (the same sums in another split order: close, not equal)."""
-    from glm5_kernels.mhc import mhc_post, mhc_pre
+    is compared with the default's (the same sums in another split order: close, not equal). Then mHC pre at
+    prefill sizes with and without the bf16x3 projection (``fn_split``), as the layer runs it. ``tiles=False``:
+    only that comparison."""
+    from glm5_kernels.mhc import mhc_post, mhc_pre, split_fn_bf16x3
 
     bw = copy_bw()
     rows = []
@@ -194,7 +197,19 @@ def mhc(out: str) -> None:
     fn = torch.randn(n_hc * (n_hc + 2), n_hc * hid, device="cuda", generator=g) * 0.02
     base, scale = torch.randn(n_hc * (n_hc + 2), device="cuda", generator=g), torch.rand(3, device="cuda", generator=g)
     w = torch.ones(hid, device="cuda", dtype=torch.bfloat16)
-    for t in (4096, 64):
+    sp = split_fn_bf16x3(fn)
+    for t in (512, 4096, 8192):
+        streams = torch.randn(t, n_hc, hid, device="cuda", dtype=torch.bfloat16, generator=g)
+        a = mhc_pre(streams, fn, base, scale, n_hc, 1e-6, 1e-5, 20, w, 1e-5)
+        b = mhc_pre(streams, fn, base, scale, n_hc, 1e-6, 1e-5, 20, w, 1e-5, fn_split=sp)
+        row = {"kernel": "mhc_pre_split3", "T": t, "copy_bw_us": (streams.numel() + a[0].numel()) * 2 / bw * 1e6,
+               "tf32x3_us": graph_us(lambda: mhc_pre(streams, fn, base, scale, n_hc, 1e-6, 1e-5, 20, w, 1e-5)),
+               "bf16x3_us": graph_us(lambda: mhc_pre(streams, fn, base, scale, n_hc, 1e-6, 1e-5, 20, w, 1e-5,
+                                                     fn_split=sp)),
+               "max_abs_diff_post": (a[1] - b[1]).abs().max().item(), "max_abs_diff_comb": (a[2] - b[2]).abs().max().item()}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    for t in ((4096, 64) if tiles else ()):
         streams = torch.randn(t, n_hc, hid, device="cuda", dtype=torch.bfloat16, generator=g)
         y = torch.randn(t, hid, device="cuda", dtype=torch.bfloat16, generator=g)
         x0, p0, c0 = mhc_pre(streams, fn, base, scale, n_hc, 1e-6, 1e-5, 20, w, 1e-5)
@@ -303,9 +318,13 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--router", action="store_true", help="the router's launch configurations instead of sparse MLA")
     ap.add_argument("--kda", action="store_true", help="the KDA decode recurrence's tiles (and fla's) instead")
     ap.add_argument("--mhc", action="store_true", help="the mHC kernels' tiles at prefill and batch sizes instead")
+    ap.add_argument("--no-tiles", action="store_true", help="--mhc: only the bf16x3 projection against tf32x3")
     return ap.parse_args(argv)
 
 
 if __name__ == "__main__":
     args = _args()
-    (small if args.small else router if args.router else kda if args.kda else mhc if args.mhc else main)(args.out)
+    if args.mhc:
+        mhc(args.out, tiles=not args.no_tiles)
+    else:
+        (small if args.small else router if args.router else kda if args.kda else main)(args.out)

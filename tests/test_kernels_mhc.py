@@ -97,6 +97,52 @@ def test_mhc_kernels_interpreter_cpu():
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
 
 
+def test_split_fn_bf16x3_is_exact_and_k_major():
+    from glm5_kernels.mhc import split_fn_bf16x3
+    fn, _, _ = _params(N, 48, "cpu", 3)
+    fn[0, :5] = torch.tensor([1e-30, -3.0e38, 1.0 / 3.0, 0.0, 7.0])   # tiny, huge, inexact, zero
+    sp = split_fn_bf16x3(fn)
+    mix = N * (N + 2)
+    assert sp.shape == (3, N * 48, 32) and sp.dtype == torch.bfloat16 and sp.is_contiguous()
+    assert torch.equal(sp.float().sum(0)[:, :mix].t(), fn)          # hi + mid + lo = fn, exactly
+    assert not sp[:, :, mix:].any()                                  # the padding columns are zero
+    assert (sp[2].float().abs() <= sp[0].float().abs() * 2 ** -15).all()   # lo is two bf16 steps below hi
+
+
+def test_mhc_split3_projection_interpreter_cpu():
+    """The projection's SPLIT3 path (three dots over the k-major split) against the plain path, launched
+    directly under the interpreter. The interpreter's bf16 tl.dot is wrong in this Triton (it returns ~1e10
+    for unit inputs), so the split parts and streams go in as fp32 holding bf16 values: what this checks is
+    the split's indexing (parts, rows, padding, K tails and splits); the bf16 dots are checked on the GPU."""
+    code = textwrap.dedent(f"""
+        import torch
+        from glm5_kernels.mhc import _mhc_proj_kernel, split_fn_bf16x3
+        import test_kernels_mhc as T
+        for t, h, splits, bk in [(70, 32, 1, 32), (70, 48, 3, 64), (17, 64, 2, 16), (70, 40, 2, 64), (9, 40, 1, 64)]:
+            k = T.N * h                                   # h = 40: K = 160, a partial last tile of 64
+            fn, _, _ = T._params(T.N, h, "cpu", t)
+            x = T._streams(t, T.N, h, torch.bfloat16, "cpu", h).float().reshape(t, k)
+            sp = split_fn_bf16x3(fn).float()
+            kps = bk * ((-(-k // bk) + splits - 1) // splits)   # mhc_pre's k_per_split
+            n_split = (k + kps - 1) // kps
+            parts = []
+            for split3 in (False, True):
+                part = torch.empty(t, n_split, 32)
+                _mhc_proj_kernel[((t + 63) // 64, n_split)](x, sp if split3 else fn, part, t, k, kps, k, MIX=24,
+                                                            MIX_PAD=32, SPLITS=n_split, BLOCK_T=64, BLOCK_K=bk,
+                                                            PRECISION="ieee", SPLIT3=split3)
+                parts.append(part.sum(1))
+            ref = x.double() @ fn.double().t()
+            assert T._max_rel(parts[1][:, :24], ref) < 1e-6, (t, h, T._max_rel(parts[1][:, :24], ref))
+            assert torch.allclose(parts[0], parts[1], rtol=1e-5, atol=1e-6), (t, h)
+        print("ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "kernels"), str(ROOT / "backend"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 @pytest.fixture
@@ -143,6 +189,34 @@ def test_mhc_pre_post_match_reference_gpu(t, dtype, fp32_matmul_highest):
         err_torch = ((outr.double() - exact).norm() / exact.norm()).item()
         print(f"mhc_post bf16 T={t}: kernel rel err {err_kernel:.2e}, torch bf16 rel err {err_torch:.2e}")
         assert _max_rel(out, outr) < 1e-2 and err_kernel <= 1.05 * err_torch + 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [512, 4096, 8192])
+def test_mhc_pre_split3_projection_matches_reference_gpu(t, fp32_matmul_highest):
+    """bf16 prefill rows with the layer's ``fn_split``: post and comb within 5e-5 of the fp32 reference, x to
+    bf16; below 512 rows fn_split is not used. Measured on the H200 (2026-12-04 02:57 UTC): post / comb 8.8e-7 /
+    9.1e-7 at 512 rows, 7.5e-6 / 1.2e-5 at 4096, 1.9e-5 / 1.5e-5 at 8192 (the largest error over more tokens
+    grows), where the tf32x3 path has 3.7e-7 ... 2.8e-6: the bf16 dots' products are exact, the tensor cores'
+    fp32 accumulation is not. Both feed the post kernel through a cast to bf16 (2^-9 relative) and the collapse
+    through the bf16 block input, a hundred times coarser than either."""
+    from glm5_kernels.mhc import mhc_pre, split_fn_bf16x3
+    from glm5_kernels.mhc_ref import mhc_pre_ref
+    h = 4096
+    fn, base, scale = _params(N, h, "cuda", t)
+    sp = split_fn_bf16x3(fn)
+    st = _streams(t, N, h, torch.bfloat16, "cuda", t + 2)
+    w = (1 + 0.1 * torch.randn(h, generator=torch.Generator().manual_seed(t))).to("cuda", torch.bfloat16)
+    x, post, comb = mhc_pre(st, fn, base, scale, N, HC_EPS, NORM_EPS, ITERS, w, NORM_EPS, fn_split=sp)
+    x3, post3, comb3 = mhc_pre(st, fn, base, scale, N, HC_EPS, NORM_EPS, ITERS, w, NORM_EPS)   # tf32x3
+    xr, pr, cr = mhc_pre_ref(st, fn, base, scale, N, HC_EPS, NORM_EPS, ITERS, w, NORM_EPS)
+    errs = [_max_rel(post, pr), _max_rel(comb, cr), _max_rel(post3, pr), _max_rel(comb3, cr), _max_rel(x, xr)]
+    print(f"mhc split3 T={t}: post {errs[0]:.1e} comb {errs[1]:.1e} (tf32x3: {errs[2]:.1e} {errs[3]:.1e}) x {errs[4]:.1e}")
+    assert max(errs[:2]) < 5e-5 and errs[4] < 1e-2, errs
+    small = st[:64].contiguous()
+    a = mhc_pre(small, fn, base, scale, N, HC_EPS, NORM_EPS, ITERS, w, NORM_EPS, fn_split=sp)
+    b = mhc_pre(small, fn, base, scale, N, HC_EPS, NORM_EPS, ITERS, w, NORM_EPS)
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
 
 
 @pytest.mark.gpu

@@ -4,8 +4,9 @@ The torch reference (:mod:`glm5_kernels.mhc_ref`) costs ~150 tiny launches per b
 (the 20-iteration Sinkhorn alone is 6 ops per iteration), which dominates small-batch decode. Here:
 
 * :func:`mhc_pre` = 2 launches. ``_mhc_proj_kernel`` is a split-K projection of the *un-normalised*
-  flattened streams onto the 24 ``fn`` rows (fp32 FMA dot, never tf32) that also accumulates the sum
-  of squares in the spare column 24 of its 32-wide partial row. ``_mhc_pre_row_kernel`` (one program
+  flattened streams onto the 24 ``fn`` rows (fp32 FMA dot for fp32 streams; tf32x3, or at prefill sizes three
+  bf16 dots over ``fn`` split into bf16 parts, for bf16 streams: fp32 products either way) that also
+  accumulates the sum of squares in the spare column 24 of its 32-wide partial row. ``_mhc_pre_row_kernel`` (one program
   per token) sums the partials, applies the weight-less RMS scale (``fn·(x·r) = r·(fn·x)``, so the
   norm commutes out of the projection), does sigmoid / softmax / Sinkhorn in registers, collapses the
   streams and, optionally, the DecoderLayer's weighted ``rms_norm`` of the collapsed row (the whole
@@ -36,6 +37,8 @@ logger = logging.getLogger(__name__)
 _BLOCK_T = 16      # token rows per projection program (tl.dot needs M >= 16) for decode-sized T
 _BLOCK_T_LARGE = 64  # ... and from _LARGE_T rows on (prefill): fewer re-reads of fn per row
 _LARGE_T = 512
+#: Rows from which bf16 streams take the bf16x3 projection (``mhc_pre``'s ``fn_split``): the prefill sizes.
+SPLIT3_MIN_ROWS = _LARGE_T
 _MAX_SPLITS = 64   # split-K programs per row block at most
 _MAX_BLOCK_H = 8192  # the pre kernel keeps a whole collapsed row in registers
 
@@ -46,8 +49,12 @@ _MAX_BLOCK_H = 8192  # the pre kernel keeps a whole collapsed row in registers
 def _mhc_proj_kernel(x_ptr, fn_ptr, part_ptr, T, K, k_per_split, stride_xt,
                      MIX: tl.constexpr, MIX_PAD: tl.constexpr, SPLITS: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                     USE_PDL: tl.constexpr = False):
-    """part[t, s, c] = Σ_{k in split s} x[t, k]·fn[c, k] for c < MIX; part[t, s, MIX] = Σ x[t, k]²."""
+                     SPLIT3: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+    """part[t, s, c] = Σ_{k in split s} x[t, k]·fn[c, k] for c < MIX; part[t, s, MIX] = Σ x[t, k]².
+
+    ``SPLIT3`` (bf16 streams): ``fn_ptr`` is :func:`split_fn_bf16x3`'s ``[3, K, MIX_PAD]`` (fn = hi + mid + lo,
+    each bf16, k-major): three bf16 tensor-core dots per K tile whose products are exact in the fp32
+    accumulator, with weight tiles read along their rows."""
     pdl_enter(USE_PDL)
     pid_t = tl.program_id(0)
     sp = tl.program_id(1)
@@ -62,11 +69,19 @@ def _mhc_proj_kernel(x_ptr, fn_ptr, part_ptr, T, K, k_per_split, stride_xt,
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < k_hi
-        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xt + offs_k[None, :],
-                    mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)      # [BLOCK_T, BLOCK_K]
-        w = tl.load(fn_ptr + cols[None, :] * K + offs_k[:, None],
-                    mask=cmask[None, :] & kmask[:, None], other=0.0)                    # [BLOCK_K, MIX_PAD]
-        acc += tl.dot(x, w, input_precision=PRECISION)
+        xt = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xt + offs_k[None, :],
+                     mask=rmask[:, None] & kmask[None, :], other=0.0)                   # [BLOCK_T, BLOCK_K]
+        if SPLIT3:
+            wp = fn_ptr + offs_k[:, None] * MIX_PAD + cols[None, :]                       # [BLOCK_K, MIX_PAD]
+            acc = tl.dot(xt, tl.load(wp, mask=kmask[:, None], other=0.0), acc)
+            acc = tl.dot(xt, tl.load(wp + K * MIX_PAD, mask=kmask[:, None], other=0.0), acc)
+            acc = tl.dot(xt, tl.load(wp + 2 * K * MIX_PAD, mask=kmask[:, None], other=0.0), acc)
+            x = xt.to(tl.float32)
+        else:
+            x = xt.to(tl.float32)
+            w = tl.load(fn_ptr + cols[None, :] * K + offs_k[:, None],
+                        mask=cmask[None, :] & kmask[:, None], other=0.0)                # [BLOCK_K, MIX_PAD]
+            acc += tl.dot(x, w, input_precision=PRECISION)
         ss += tl.sum(x * x, axis=1)
     acc = tl.where(cols[None, :] == MIX, ss[:, None], acc)
     out = part_ptr + (rows.to(tl.int64)[:, None] * SPLITS + sp) * MIX_PAD + cols[None, :]
@@ -171,14 +186,18 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
             eps: float, norm_eps: float, iters: int, block_norm_w: torch.Tensor | None = None,
             block_norm_eps: float | None = None, splits: int | None = None,
             block_k: int = 64, block_t: int | None = None, proj_warps: int = 4, proj_stages: int | None = None,
-            row_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            row_warps: int | None = None, fn_split: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused :func:`~glm5_kernels.mhc_ref.mhc_pre_ref`: streams ``[T, n, H]`` → ``(x [T, H], post [T, n], comb [T, n, n])``.
 
     ``fn [n(n+2), nH]``, ``base [n(n+2)]``, ``scale [3]`` are fp32 (as the layer stores them);
     ``eps`` = hc_eps, ``norm_eps`` = eps of the mHC input norm (rms_norm_eps), ``iters`` = Sinkhorn
     iterations. ``x`` is in the streams dtype; when ``block_norm_w`` is given, ``x`` is instead
     ``rms_norm(x, block_norm_w, block_norm_eps)`` (dtype promoted with the weight's, as in torch).
-    ``post``/``comb`` are fp32. ``splits``/``block_k`` tune the split-K projection (default: fill the GPU).
+    ``post``/``comb`` are fp32. ``splits``/``block_k``/``block_t``/``proj_warps``/``proj_stages`` tune the split-K
+    projection (default: fill the GPU), ``row_warps`` the row kernel (``bench/kernel_bench.py --mhc``).
+    ``fn_split`` (:func:`split_fn_bf16x3` of ``fn``): bf16 streams of at least ``SPLIT3_MIN_ROWS`` rows (prefill) run
+    the projection as three bf16 dots (:func:`_mhc_proj_kernel`'s ``SPLIT3``) instead of tf32x3.
     """
     t, h = _check_streams(streams, n)
     mix, k = n * (n + 2), n * h
@@ -218,11 +237,19 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     splits = triton.cdiv(k, k_per_split)
     mix_pad = triton.next_power_of_2(mix + 1)  # one spare column carries the sum of squares
     part = torch.empty(t, splits, mix_pad, device=dev, dtype=torch.float32)
+    split3 = fn_split is not None and streams.dtype == torch.bfloat16 and t >= SPLIT3_MIN_ROWS
+    if split3 and (fn_split.shape != (3, k, mix_pad) or fn_split.dtype != torch.bfloat16
+                   or not fn_split.is_contiguous()):
+        raise ValueError(f"fn_split must be split_fn_bf16x3(fn): contiguous bf16 [3, {k}, {mix_pad}], got "
+                         f"{fn_split.dtype} {tuple(fn_split.shape)}")
     _mhc_proj_kernel[(row_blocks, splits)](
-        streams, fn, part, t, k, k_per_split, streams.stride(0),
-        MIX=mix, MIX_PAD=mix_pad, SPLITS=splits, BLOCK_T=block_t, BLOCK_K=block_k,
+        streams, fn_split if split3 else fn, part, t, k, k_per_split, streams.stride(0),
+        MIX=mix, MIX_PAD=mix_pad, SPLITS=splits, BLOCK_T=block_t, BLOCK_K=block_k, SPLIT3=split3,
         # 16-bit streams are exact in tf32, so tf32x3 (fn split into two tf32 halves) keeps fp32 accuracy on
         # tensor cores; the FMA "ieee" dot made this projection 15 % of an 8K prefill. fp32 streams stay ieee.
+        # SPLIT3 (bf16 prefill rows): three bf16 dots over the k-major split, whose weight tiles load along
+        # their rows where the [24, K] fn loads across them: mHC pre 116.6 / 224.0 µs against tf32x3's
+        # 210.5 / 428.8 at 4096 / 8192 rows (H200, bench/results/mhc_split3_h200.json).
         PRECISION="ieee" if streams.dtype == torch.float32 else "tf32x3", num_warps=proj_warps,
         **({} if proj_stages is None else {"num_stages": proj_stages}), **pdl_kwargs(streams.device))
     _mhc_pre_row_kernel[(t,)](
@@ -262,6 +289,22 @@ def mhc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
     _mhc_post_kernel[(t, triton.cdiv(h, block_h))](
         block_out, streams, post, comb, out, h, block_out.stride(0), streams.stride(0), out.stride(0),
         N=n, BLOCK_H=block_h, num_warps=num_warps, **pdl_kwargs(streams.device))
+    return out
+
+
+def split_fn_bf16x3(fn: torch.Tensor) -> torch.Tensor:
+    """``fn [MIX, K]`` fp32 as three bf16 parts ``hi + mid + lo`` (each the bf16 rounding of what the ones
+    before leave: 24 significant bits, fp32's own), transposed k-major and padded with zero columns to the
+    projection's ``[3, K, MIX_PAD]`` (:func:`mhc_pre`'s ``fn_split``; the layer makes it once per site)."""
+    mix, k = fn.shape
+    mix_pad = triton.next_power_of_2(mix + 1)
+    parts, rest = [], fn.float()
+    for _ in range(3):
+        part = rest.to(torch.bfloat16)
+        parts.append(part)
+        rest = rest - part.float()
+    out = torch.zeros(3, k, mix_pad, dtype=torch.bfloat16, device=fn.device)
+    out[:, :, :mix] = torch.stack(parts).transpose(1, 2)
     return out
 
 
@@ -311,4 +354,4 @@ def bench_mhc(tokens: tuple[int, ...] = (1, 8, 64, 4096), h: int = 4096, n: int 
     return rows
 
 
-__all__ = ["mhc_pre", "mhc_post", "post_tile", "bench_mhc"]
+__all__ = ["SPLIT3_MIN_ROWS", "mhc_pre", "mhc_post", "post_tile", "split_fn_bf16x3", "bench_mhc"]

@@ -18,6 +18,9 @@ from glm5_kernels.mhc_ref import mhc_post_ref, mhc_pre_ref
 class HyperConnection:
     def __init__(self, weights: dict[str, torch.Tensor], prefix: str, cfg: TextConfig):
         self.fn = weights[f"{prefix}_fn"].float()
+        # the bf16 prefill projection's split of fn (glm5_kernels.mhc.split_fn_bf16x3, 3 MB per site at H = 4096),
+        # made by the first eager bf16 pre of SPLIT3_MIN_ROWS rows or more (a prefill chunk)
+        self.fn_split: torch.Tensor | None = None
         self.base = weights[f"{prefix}_base"].float()
         self.scale = weights[f"{prefix}_scale"].float()
         self.n = cfg.hc_mult
@@ -29,12 +32,16 @@ class HyperConnection:
             block_norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams ``[T, n, H]`` → (RMS-normed block input ``[T, H]``, post ``[T, n]``, comb ``[T, n, n]``)."""
         if mhc_backend(streams.device, streams.dtype) == "triton":
-            from glm5_kernels.mhc import mhc_pre
-            fn = mhc_pre
-        else:
-            fn = mhc_pre_ref
-        return fn(streams, self.fn, self.base, self.scale, self.n, self.eps, self.norm_eps, self.iters,
-                  block_norm_w, block_norm_eps)
+            from glm5_kernels.mhc import SPLIT3_MIN_ROWS, mhc_pre, split_fn_bf16x3
+            # not while a graph is captured: the split's kernels would be recorded, not run, leaving it empty
+            capturing = streams.is_cuda and torch.cuda.is_current_stream_capturing()
+            if self.fn_split is None and streams.dtype == torch.bfloat16 and streams.shape[0] >= SPLIT3_MIN_ROWS \
+                    and not capturing:
+                self.fn_split = split_fn_bf16x3(self.fn)
+            return mhc_pre(streams, self.fn, self.base, self.scale, self.n, self.eps, self.norm_eps, self.iters,
+                           block_norm_w, block_norm_eps, fn_split=self.fn_split)
+        return mhc_pre_ref(streams, self.fn, self.base, self.scale, self.n, self.eps, self.norm_eps, self.iters,
+                           block_norm_w, block_norm_eps)
 
     @staticmethod
     def post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
