@@ -206,7 +206,8 @@ def mhc(out: str, tiles: bool = True) -> None:
                "tf32x3_us": graph_us(lambda: mhc_pre(streams, fn, base, scale, n_hc, 1e-6, 1e-5, 20, w, 1e-5)),
                "bf16x3_us": graph_us(lambda: mhc_pre(streams, fn, base, scale, n_hc, 1e-6, 1e-5, 20, w, 1e-5,
                                                      fn_split=sp)),
-               "max_abs_diff_post": (a[1] - b[1]).abs().max().item(), "max_abs_diff_comb": (a[2] - b[2]).abs().max().item()}
+               "max_abs_diff_post": (a[1] - b[1]).abs().max().item(),
+               "max_abs_diff_comb": (a[2] - b[2]).abs().max().item()}
         rows.append(row)
         print(json.dumps(row), flush=True)
     for t in ((4096, 64) if tiles else ()):

@@ -3,7 +3,8 @@
 The bench architecture (8 layers: KDA×3, MLA, KDA×3, MLA; dense×3 + MoE×5, mHC 4) with small widths runs one
 batched decode step (the path CUDA graphs capture) on the CPU with the GPU backends chosen explicitly: the
 Triton kernels run under ``TRITON_INTERPRET=1`` and each launch is counted (the KDA recurrence is our
-``kda_step`` kernel, as on the GPU); every torch op that launches a CUDA kernel is counted by a dispatch mode (views, reshapes and allocations launch none). Widths do not change the count, except that
+``kda_step`` kernel, as on the GPU); every torch op that launches a CUDA kernel is counted by a dispatch mode
+(views, reshapes and allocations launch none). Widths do not change the count, except that
 cuBLAS may add a split-K reduction kernel to a GEMV, which this model does not see (the H200 profile of
 ``bench/bench.py`` shows them as ``splitKreduce``). Run it with the fusions on (auto) and off
 (``--fuse torch --router torch``) to predict what they save; ``bench/kernel_check.py`` measures the same

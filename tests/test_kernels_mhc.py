@@ -211,7 +211,8 @@ def test_mhc_pre_split3_projection_matches_reference_gpu(t, fp32_matmul_highest)
     x3, post3, comb3 = mhc_pre(st, fn, base, scale, N, HC_EPS, NORM_EPS, ITERS, w, NORM_EPS)   # tf32x3
     xr, pr, cr = mhc_pre_ref(st, fn, base, scale, N, HC_EPS, NORM_EPS, ITERS, w, NORM_EPS)
     errs = [_max_rel(post, pr), _max_rel(comb, cr), _max_rel(post3, pr), _max_rel(comb3, cr), _max_rel(x, xr)]
-    print(f"mhc split3 T={t}: post {errs[0]:.1e} comb {errs[1]:.1e} (tf32x3: {errs[2]:.1e} {errs[3]:.1e}) x {errs[4]:.1e}")
+    print(f"mhc split3 T={t}: post {errs[0]:.1e} comb {errs[1]:.1e} (tf32x3: {errs[2]:.1e} {errs[3]:.1e}) "
+          f"x {errs[4]:.1e}")
     assert max(errs[:2]) < 5e-5 and errs[4] < 1e-2, errs
     small = st[:64].contiguous()
     a = mhc_pre(small, fn, base, scale, N, HC_EPS, NORM_EPS, ITERS, w, NORM_EPS, fn_split=sp)

@@ -77,19 +77,22 @@ def _kda_spec_kernel(q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, a_log_ptr, dt_ptr, state
 DECODE_TILES: tuple[tuple[int, int, int], ...] = ((8, 32, 2), (1 << 62, 64, 4))
 
 
+def _tile(bv: int, warps: int, d: int) -> tuple[int, int]:
+    """``(BV, num_warps)`` for head dim ``d``: a block never wider than the head, one warp below 64 channels."""
+    return min(bv, d), (warps if d >= 64 else 1)
+
+
 def decode_tile(n: int, d: int) -> tuple[int, int]:
-    """``(BV, num_warps)`` of a decode step over ``n`` rows with head dim ``d`` (:data:`DECODE_TILES`)."""
-    for rows, bv, warps in DECODE_TILES:
-        if n <= rows:
-            return min(bv, d), (warps if d >= 64 else 1)
-    return min(32, d), 4
+    """``(BV, num_warps)`` of a decode step over ``n`` rows with head dim ``d`` (:data:`DECODE_TILES`; its last
+    row bound covers every batch)."""
+    return next(_tile(bv, warps, d) for rows, bv, warps in DECODE_TILES if n <= rows)
 
 
 def _launch(q, k, v, f, b, state_pool, slots, n_valid, a_log, dt_bias, lower_bound, scale, out, commit, store,
             tile: tuple[int, int] | None = None):
     n, t, h, d = q.shape
     if d & (d - 1) or d < 16:
-        raise ValueError(f"KDA head_dim {d}: the verify kernel takes a power of two >= 16")
+        raise ValueError(f"KDA head_dim {d}: the recurrence kernel takes a power of two >= 16")
     if state_pool.dtype != torch.float32 or tuple(state_pool.shape[1:]) != (h, d, d) or not state_pool.is_contiguous():
         raise ValueError(f"state pool {state_pool.dtype} {tuple(state_pool.shape)}: expected contiguous fp32 "
                          f"[slots, {h}, {d}, {d}]")
@@ -99,25 +102,17 @@ def _launch(q, k, v, f, b, state_pool, slots, n_valid, a_log, dt_bias, lower_bou
                              "contiguous heads")
     if f.stride(-1) != 1 or b.stride(-1) != 1:
         raise ValueError("f and b need a contiguous last dim")
-    bv, warps = tile if tile is not None else (min(32, d), 4 if d >= 64 else 1)
+    bv, warps = tile if tile is not None else _tile(32, 4, d)
     if d % bv:
         raise ValueError(f"value block {bv} does not divide head_dim {d}")
     _kda_spec_kernel[(n, h, d // bv)](
-        q, k, v, f, b, _flat_f32(a_log), _flat_f32(dt_bias), state_pool, slots if slots.is_contiguous() else
+        q, k, v, f, b, a_log.float().reshape(-1).contiguous(), dt_bias.float().reshape(-1).contiguous(), state_pool,
         slots.contiguous(), n_valid if n_valid is not None else slots, out if out is not None else q,
         t, float(lower_bound if lower_bound is not None else 0.0), float(scale),
         q.stride(0), q.stride(1), f.stride(0), f.stride(1), b.stride(0), b.stride(1),
         out.stride(0) if out is not None else 0, out.stride(1) if out is not None else 0, state_pool.stride(0),
         H=h, D=d, BV=bv, BOUNDED=lower_bound is not None, WRITE_OUT=out is not None, ROWS_FROM_N_VALID=commit,
         STORE_STATE=store, num_warps=warps, **pdl_kwargs(q.device))
-
-
-def _flat_f32(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a flat contiguous fp32 tensor; the tensor itself when it is one already (no copy kernel in a
-    captured graph: the layer passes its flattened fp32 gate parameters)."""
-    if x.dtype == torch.float32 and x.dim() == 1 and x.is_contiguous():
-        return x
-    return x.float().reshape(-1).contiguous()
 
 
 def kda_decode_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,

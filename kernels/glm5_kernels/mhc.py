@@ -6,8 +6,8 @@ The torch reference (:mod:`glm5_kernels.mhc_ref`) costs ~150 tiny launches per b
 * :func:`mhc_pre` = 2 launches. ``_mhc_proj_kernel`` is a split-K projection of the *un-normalised*
   flattened streams onto the 24 ``fn`` rows (fp32 FMA dot for fp32 streams; tf32x3, or at prefill sizes three
   bf16 dots over ``fn`` split into bf16 parts, for bf16 streams: fp32 products either way) that also
-  accumulates the sum of squares in the spare column 24 of its 32-wide partial row. ``_mhc_pre_row_kernel`` (one program
-  per token) sums the partials, applies the weight-less RMS scale (``fn·(x·r) = r·(fn·x)``, so the
+  accumulates the sum of squares in the spare column 24 of its 32-wide partial row. ``_mhc_pre_row_kernel``
+  (one program per token) sums the partials, applies the weight-less RMS scale (``fn·(x·r) = r·(fn·x)``, so the
   norm commutes out of the projection), does sigmoid / softmax / Sinkhorn in registers, collapses the
   streams and, optionally, the DecoderLayer's weighted ``rms_norm`` of the collapsed row (the whole
   row is in registers, so the norm costs no extra pass). Split-K keeps a decode step (T = 1) spread
@@ -196,8 +196,8 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     ``rms_norm(x, block_norm_w, block_norm_eps)`` (dtype promoted with the weight's, as in torch).
     ``post``/``comb`` are fp32. ``splits``/``block_k``/``block_t``/``proj_warps``/``proj_stages`` tune the split-K
     projection (default: fill the GPU), ``row_warps`` the row kernel (``bench/kernel_bench.py --mhc``).
-    ``fn_split`` (:func:`split_fn_bf16x3` of ``fn``): bf16 streams of at least ``SPLIT3_MIN_ROWS`` rows (prefill) run
-    the projection as three bf16 dots (:func:`_mhc_proj_kernel`'s ``SPLIT3``) instead of tf32x3.
+    ``fn_split`` (:func:`split_fn_bf16x3` of ``fn``): bf16 streams of at least ``SPLIT3_MIN_ROWS`` rows
+    (prefill) run the projection as three bf16 dots (:func:`_mhc_proj_kernel`'s ``SPLIT3``) instead of tf32x3.
     """
     t, h = _check_streams(streams, n)
     mix, k = n * (n + 2), n * h

@@ -122,7 +122,7 @@ class KDALayer:
         self.a_log = weights[f"{p}.A_log"]
         self.dt_bias = weights[f"{p}.dt_bias"]
         self.o_norm = weights[f"{p}.o_norm.weight"]
-        self.a_log_flat = self.a_log.float().reshape(-1).contiguous()      # [H] for fla's in-kernel gate
+        self.a_log_flat = self.a_log.float().reshape(-1).contiguous()      # [H] for the in-kernel gates
         self.dt_bias_flat = self.dt_bias.float().reshape(-1).contiguous()  # [H * d]
         self.o_proj = RowParallelLinear.load(weights, f"{p}.o_proj", par)
         self._conv_inputs: dict[int, torch.Tensor] = {}  # recording chunks' conv inputs, per state slot
@@ -299,8 +299,8 @@ class KDALayer:
         conv, _ = self._conv_rows(buf_mixed.view(n, t, -1), slots, conv_state)
         q, k, v = conv.view(n, t, 3, self.heads, self.head_dim).unbind(2)
         out = self._spec_recurrence(commit=False)(
-            q, k, v, buf_f.view(n, t, -1), buf_b.view(n, t, -1), rec_state, slots, self.a_log, self.dt_bias,
-            self.cfg.linear_lower_bound, self.head_dim ** -0.5)
+            q, k, v, buf_f.view(n, t, -1), buf_b.view(n, t, -1), rec_state, slots, self.a_log_flat,
+            self.dt_bias_flat, self.cfg.linear_lower_bound, self.head_dim ** -0.5)
         return out.view(rows, self.heads, self.head_dim)
 
     def commit_verification(self, buffers, slots: torch.Tensor, ctx: torch.Tensor, n_valid: torch.Tensor, t: int,
@@ -312,8 +312,8 @@ class KDALayer:
         conv, window = self._conv_rows(buf_mixed.view(n, t, -1), slots, conv_state)
         q, k, v = conv.view(n, t, 3, self.heads, self.head_dim).unbind(2)
         self._spec_recurrence(commit=True)(
-            q, k, v, buf_f.view(n, t, -1), buf_b.view(n, t, -1), rec_state, slots, n_valid, self.a_log,
-            self.dt_bias, self.cfg.linear_lower_bound, self.head_dim ** -0.5)
+            q, k, v, buf_f.view(n, t, -1), buf_b.view(n, t, -1), rec_state, slots, n_valid, self.a_log_flat,
+            self.dt_bias_flat, self.cfg.linear_lower_bound, self.head_dim ** -0.5)
         k1 = conv_state.shape[1]
         idx = n_valid.view(n, 1) + torch.arange(k1, device=slots.device)   # the last K-1 inputs after v rows
         idx = idx.unsqueeze(-1).expand(-1, -1, window.shape[-1])

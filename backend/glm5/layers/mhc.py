@@ -32,16 +32,23 @@ class HyperConnection:
             block_norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams ``[T, n, H]`` → (RMS-normed block input ``[T, H]``, post ``[T, n]``, comb ``[T, n, n]``)."""
         if mhc_backend(streams.device, streams.dtype) == "triton":
-            from glm5_kernels.mhc import SPLIT3_MIN_ROWS, mhc_pre, split_fn_bf16x3
-            # not while a graph is captured: the split's kernels would be recorded, not run, leaving it empty
-            capturing = streams.is_cuda and torch.cuda.is_current_stream_capturing()
-            if self.fn_split is None and streams.dtype == torch.bfloat16 and streams.shape[0] >= SPLIT3_MIN_ROWS \
-                    and not capturing:
-                self.fn_split = split_fn_bf16x3(self.fn)
+            from glm5_kernels.mhc import mhc_pre
+            if self.fn_split is None:
+                self.fn_split = self._make_split(streams)
             return mhc_pre(streams, self.fn, self.base, self.scale, self.n, self.eps, self.norm_eps, self.iters,
                            block_norm_w, block_norm_eps, fn_split=self.fn_split)
         return mhc_pre_ref(streams, self.fn, self.base, self.scale, self.n, self.eps, self.norm_eps, self.iters,
                            block_norm_w, block_norm_eps)
+
+    def _make_split(self, streams: torch.Tensor) -> torch.Tensor | None:
+        """``fn``'s bf16 split for the prefill projection when ``streams`` will use it (bf16, a prefill chunk's
+        rows); None otherwise, and while a graph is captured (its kernels would be recorded, not run)."""
+        from glm5_kernels.mhc import SPLIT3_MIN_ROWS, split_fn_bf16x3
+        if streams.dtype != torch.bfloat16 or streams.shape[0] < SPLIT3_MIN_ROWS:
+            return None
+        if streams.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        return split_fn_bf16x3(self.fn)
 
     @staticmethod
     def post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
