@@ -46,6 +46,7 @@ from typing import Literal, Sequence
 
 import torch
 
+from glm5.layers.batch import host_to_device
 from glm5.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ def token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int, device: 
                     f"list {i} has ids in [{int(t.min())}, {int(t.max())}]"
                 )
             padded[i, : len(toks)] = t
-    padded = padded.to(device)
+    padded = host_to_device(padded, device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab_size]
 
@@ -139,7 +140,7 @@ def apply_penalties(
         return logits
     vocab = logits.shape[1]
     device = logits.device
-    idx = torch.tensor(rows, dtype=torch.int64, device=device)
+    idx = host_to_device(rows, device)
     sub = logits.index_select(0, idx)
     out_counts = token_counts([output_token_ids[i] for i in rows], vocab, device)
     out_seen = out_counts > 0
@@ -149,12 +150,12 @@ def apply_penalties(
         if prompt_token_ids is None:
             raise ValueError("prompt_token_ids is required when a row uses repetition_penalty != 1 (the prompt counts as seen)")
         seen = out_seen | (token_counts([prompt_token_ids[i] for i in rows], vocab, device) > 0)
-        r = torch.tensor(rep, dtype=sub.dtype, device=device).unsqueeze(1)
+        r = host_to_device(rep, device, sub.dtype).unsqueeze(1)
         penalized = torch.where(sub > 0, sub / r, sub * r)
         sub = torch.where(seen, penalized, sub)
 
-    freq = torch.tensor([params[i].frequency_penalty for i in rows], dtype=sub.dtype, device=device).unsqueeze(1)
-    pres = torch.tensor([params[i].presence_penalty for i in rows], dtype=sub.dtype, device=device).unsqueeze(1)
+    freq = host_to_device([params[i].frequency_penalty for i in rows], device, sub.dtype).unsqueeze(1)
+    pres = host_to_device([params[i].presence_penalty for i in rows], device, sub.dtype).unsqueeze(1)
     sub = sub - freq * out_counts - pres * out_seen.to(sub.dtype)
     logits.index_copy_(0, idx, sub)
     return logits
@@ -239,7 +240,7 @@ def apply_min_tokens(
             row_idx.append(i)
             tok_idx.append(t)
     if row_idx:
-        logits[torch.tensor(row_idx, device=logits.device), torch.tensor(tok_idx, device=logits.device)] = float("-inf")
+        logits[host_to_device(row_idx, logits.device), host_to_device(tok_idx, logits.device)] = float("-inf")
     return logits
 
 
@@ -354,9 +355,9 @@ class Sampler:
         if not sampled:
             return x
         device = x.device
-        idx = torch.tensor(sampled, dtype=torch.int64, device=device)
+        idx = host_to_device(sampled, device, torch.int64)
         sub = x.index_select(0, idx)
-        temps = torch.tensor([params[i].temperature for i in sampled], dtype=torch.float32, device=device)
+        temps = host_to_device([params[i].temperature for i in sampled], device, torch.float32)
         sub = sub / temps.unsqueeze(1)
 
         top_ks = [params[i].top_k for i in sampled]
@@ -366,12 +367,12 @@ class Sampler:
         if use_k or use_p:
             sub = apply_top_k_top_p(
                 sub,
-                torch.tensor(top_ks, dtype=torch.int64, device=device) if use_k else None,
-                torch.tensor(top_ps, dtype=torch.float32, device=device) if use_p else None,
+                host_to_device(top_ks, device, torch.int64) if use_k else None,
+                host_to_device(top_ps, device, torch.float32) if use_p else None,
             )
         min_ps = [params[i].min_p for i in sampled]
         if any(m > 0.0 for m in min_ps):
-            sub = apply_min_p(sub, torch.tensor(min_ps, dtype=torch.float32, device=device))
+            sub = apply_min_p(sub, host_to_device(min_ps, device, torch.float32))
         x.index_copy_(0, idx, sub)
         return x
 
@@ -413,7 +414,7 @@ class Sampler:
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_lp: torch.Tensor | None = None
         if want_lp and self.logprobs_mode == "raw":
-            lp_idx = torch.tensor(want_lp, dtype=torch.int64, device=logits.device)
+            lp_idx = host_to_device(want_lp, logits.device, torch.int64)
             raw_lp = torch.log_softmax(logits.index_select(0, lp_idx).to(torch.float32), dim=1)
 
         pen = self._penalize(logits, params, output_token_ids=output_token_ids, prompt_token_ids=prompt_token_ids,
@@ -427,7 +428,7 @@ class Sampler:
         if fused:
             # unseeded sampled rows: FlashInfer's fused top-k/top-p/min-p sampling from the penalised logits
             from glm5.flashinfer_sampling import flashinfer_sample
-            fidx = torch.tensor(fused, dtype=torch.int64, device=x.device)
+            fidx = host_to_device(fused, x.device, torch.int64)
             tok = flashinfer_sample(pen.index_select(0, fidx), [params[i].temperature for i in fused],
                                     [params[i].top_k for i in fused], [params[i].top_p for i in fused],
                                     [params[i].min_p for i in fused], generator=self.shared_generator(x.device))
@@ -435,7 +436,7 @@ class Sampler:
             sampled = [i for i in sampled if i not in set(fused)]
         if sampled:
             device = x.device
-            idx = torch.tensor(sampled, dtype=torch.int64, device=device)
+            idx = host_to_device(sampled, device, torch.int64)
             probs = torch.softmax(x.index_select(0, idx), dim=1)
             q = self._exponentials(sampled, generators, vocab, device)
             # q can be exactly 0 with tiny probability: clamp so p=0 tokens can never win.
@@ -445,7 +446,7 @@ class Sampler:
         logprobs: list[TokenLogprobs | None] = [None] * rows
         if want_lp:
             if raw_lp is None:
-                lp_idx = torch.tensor(want_lp, dtype=torch.int64, device=x.device)
+                lp_idx = host_to_device(want_lp, x.device, torch.int64)
                 raw_lp = torch.log_softmax(x.index_select(0, lp_idx), dim=1)
             logprobs = self._gather_logprobs(raw_lp, want_lp, out, params, rows)
         return SamplerOutput(token_ids=out, logprobs=logprobs)
@@ -486,7 +487,7 @@ class Sampler:
         if shared_pos:
             gen = self.shared_generator(device)
             draw = torch.empty(len(shared_pos), vocab, dtype=torch.float32, device=device).exponential_(generator=gen)
-            q[torch.tensor(shared_pos, dtype=torch.int64, device=device)] = draw
+            q[host_to_device(shared_pos, device, torch.int64)] = draw
         return q
 
     @staticmethod
@@ -498,7 +499,7 @@ class Sampler:
         rows: int,
     ) -> list[TokenLogprobs | None]:
         device = lp.device
-        tok = tokens.index_select(0, torch.tensor(want, dtype=torch.int64, device=device))
+        tok = tokens.index_select(0, host_to_device(want, device, torch.int64))
         chosen = lp.gather(1, tok.unsqueeze(1)).squeeze(1)
         rank = (lp > chosen.unsqueeze(1)).sum(dim=1) + 1
         n_max = max(params[i].logprobs or 0 for i in want)

@@ -46,6 +46,7 @@ from glm5.engine.spec_decode import SpecStats, greedy_verify, target_distributio
 from glm5.engine.spec_sampling import SALT_DRAFT, accept_sampled, race
 from glm5.engine.spec_policy import AdaptiveK, FixedK, SpecCostModel
 from glm5.detokenizer import RequestOutputProcessor
+from glm5.layers.batch import host_to_device
 from glm5.sampler import Sampler, TokenLogprobs, bad_word_token_ids, make_generator
 from glm5.sampling_params import SamplingParams
 
@@ -444,7 +445,7 @@ class LLMEngine:
         new_tokens: dict[int, tuple[list[int], list[dict | None]]] = {}
         if plain:
             seqs = [sched.chunks[ci].seq for ci, _ in plain]
-            rows = torch.tensor([row for _, row in plain], device=model_out.logits.device)
+            rows = host_to_device([row for _, row in plain], model_out.logits.device)
             result = self.sampler.sample(
                 model_out.logits[rows], [s.params for s in seqs], generators=[s.generator for s in seqs],
                 output_token_ids=[s.output_token_ids for s in seqs], prompt_token_ids=[s.prompt_token_ids for s in seqs],
@@ -635,7 +636,7 @@ class LLMEngine:
                 last_rows.append(offset - 1)
         if not drafting:
             return True
-        hid = h[torch.tensor(last_rows, device=h.device)]
+        hid = h[host_to_device(last_rows, h.device)]
         slots = [s.state_slot for s in drafting]
         snapshot = self.runner.snapshot_mtp_tails(slots)
         for j in range(1, max(self._num_drafts(s) for s in drafting)):
@@ -645,7 +646,7 @@ class LLMEngine:
             if not step:
                 break
             ents = [(s, s.num_tokens - 2 + j, [s.draft_tokens[-1]]) for _, s in step]
-            idx = torch.tensor([i for i, _ in step], device=hid.device)
+            idx = host_to_device([i for i, _ in step], hid.device)
             logits, h = self.runner.mtp_forward(ents, hid[idx], [True] * len(ents), shared)
             for r, (i, s) in enumerate(step):
                 self._draft_from(s, logits[r])

@@ -36,6 +36,7 @@ from glm5.engine.scheduler import SchedulerOutput
 from glm5.engine.sequence import Sequence
 from glm5.engine.spec_forwards import SpecForwards, SpecGraphs
 from glm5.engine.spec_sampling import SALT_DRAFT, accept_greedy, accept_sampled, race
+from glm5.layers.batch import host_to_device
 from glm5.layers.speculative import VerifyBuffers
 from glm5.sampler import Sampler
 
@@ -97,7 +98,7 @@ def take_backlogs(backlogs: list[MTPBacklog], more: list[torch.Tensor | None] | 
             raise ValueError("take_backlogs: the backlogs hold no rows and no extra rows were given")
         return list(more)
     flat = sources[0] if len(sources) == 1 else torch.cat(sources)
-    rows = flat.index_select(0, torch.tensor(idx, device=flat.device)).split([b.count for b in backlogs])
+    rows = flat.index_select(0, host_to_device(idx, flat.device)).split([b.count for b in backlogs])
     return [r if m is None else torch.cat([r, m]) for r, m in zip(rows, more)]
 
 
@@ -253,7 +254,7 @@ class BatchedSpeculation:
         lps: list[list[dict | None]] = [[] for _ in range(n)]
         plain = [i for i, c in enumerate(chunks) if c.num_drafts == 0]
         if plain:  # no drafts (logprobs wanted, or no room): the ordinary sampler on the first row
-            idx = torch.tensor(plain, device=dev)
+            idx = host_to_device(plain, dev)
             result = self._sample_plain(logits[idx, 0], [chunks[i].seq for i in plain])
             emitted[idx, 0] = result.token_ids
             for j, i in enumerate(plain):
@@ -271,27 +272,27 @@ class BatchedSpeculation:
                 hist.append(s.output_token_ids + d[:j])
                 prompts.append(s.prompt_token_ids)
                 eos.append(s.eos_token_ids)
-        sidx = torch.tensor(spec, device=dev)
+        sidx = host_to_device(spec, dev)
         x = self.sampler.process_logits(logits[sidx].reshape(-1, vocab), params, output_token_ids=hist,
                                         prompt_token_ids=prompts, eos_token_ids=eos).view(len(spec), t, vocab)
-        drafts_t = torch.tensor(drafts, dtype=torch.int64, device=dev)
-        nd_t = torch.tensor(nd, dtype=torch.int64, device=dev)
+        drafts_t = host_to_device(drafts, dev)
+        nd_t = host_to_device(nd, dev)
         greedy = [j for j, s in enumerate(seqs) if s.params.is_greedy]
         sampled = [j for j, s in enumerate(seqs) if not s.params.is_greedy]
         out_e = torch.zeros(len(spec), t, dtype=torch.int64, device=dev)
         out_a = torch.zeros(len(spec), dtype=torch.int64, device=dev)
         if greedy:
-            g = torch.tensor(greedy, device=dev)
+            g = host_to_device(greedy, dev)
             e, a = accept_greedy(torch.argmax(x[g], dim=-1), drafts_t[g], nd_t[g])
             out_e[g], out_a[g] = e, a
         if sampled:
-            sj = torch.tensor(sampled, device=dev)
+            sj = host_to_device(sampled, dev)
             q = torch.zeros(len(sampled), k, vocab, dtype=torch.float32, device=dev)
             for r, j in enumerate(sampled):
                 probs = seqs[j].draft_probs
                 q[r, : probs.shape[0]] = probs[:k]
-            seeds = torch.tensor([seqs[j].noise_seed for j in sampled], dtype=torch.int64, device=dev)
-            first = torch.tensor([seqs[j].num_computed_tokens for j in sampled], dtype=torch.int64, device=dev)
+            seeds = host_to_device([seqs[j].noise_seed for j in sampled], dev)
+            first = host_to_device([seqs[j].num_computed_tokens for j in sampled], dev)
             e, a = accept_sampled(torch.softmax(x[sj], dim=-1), q, drafts_t[sj], nd_t[sj], seeds, first)
             out_e[sj], out_a[sj] = e, a
         emitted[sidx], accepted[sidx] = out_e, out_a
@@ -368,7 +369,7 @@ class BatchedSpeculation:
         nb = self._bucket(n)
         rows, hidden, last = self._mtp_rows(tails)
         logits, h, scores = self.fwd.mtp_pass(rows, hidden, last + [0] * (nb - n), nb * longest)
-        idx = torch.tensor(last, device=h.device)
+        idx = host_to_device(last, h.device)
         return logits[:n], h[idx].clone(), None if scores is None else scores[idx].clone()
 
     @staticmethod
@@ -394,12 +395,12 @@ class BatchedSpeculation:
         sampled = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
         if sampled:
             dev = logits.device
-            si = torch.tensor(sampled, device=dev)
+            si = host_to_device(sampled, dev)
             x = self.sampler.process_logits(logits[si], [neutral_params(seqs[i].params) for i in sampled],
                                             output_token_ids=[[] for _ in sampled])
             q = torch.softmax(x, dim=-1)
-            seeds = torch.tensor([seqs[i].noise_seed for i in sampled], dtype=torch.int64, device=dev)
-            pos = torch.tensor([positions[i] for i in sampled], dtype=torch.int64, device=dev)
+            seeds = host_to_device([seqs[i].noise_seed for i in sampled], dev)
+            pos = host_to_device([positions[i] for i in sampled], dev)
             tokens[si] = race(q, seeds, pos, SALT_DRAFT)
             for r, i in enumerate(sampled):
                 probs[i] = q[r]
@@ -413,7 +414,7 @@ class BatchedSpeculation:
         d_pos = [s.num_tokens for s in seqs]                     # position of draft 1
         tok, q = self._choose(seqs, logits, d_pos)
         drafts, probs = [tok], [q]
-        slots = torch.tensor([s.state_slot for s in seqs], device=hid.device)
+        slots = host_to_device([s.state_slot for s in seqs], hid.device)
         tail = self.cache.tail[self.mtp.layer]
         snapshot = tail.index_select(0, slots) if steps > 1 else None
         nb = self._bucket(n)
