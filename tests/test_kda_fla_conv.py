@@ -56,7 +56,9 @@ def test_conv_fla_matches_the_per_request_conv(tiny_checkpoint_dir, monkeypatch)
     want = layer._conv(mixed, batch, conv)
     want_state = conv.clone()
     conv.copy_(saved)
-    got = layer._conv_fla(mixed, batch, conv)
+    thirds = layer._conv_fla(mixed, batch, conv)   # q, k, v: one conv launch each, contiguous for fla's kernels
+    assert all(t.is_contiguous() and t.shape == (start, conv.shape[-1] // 3) for t in thirds)
+    got = torch.cat(thirds, dim=-1)
     meta = batch.seq_tensors(mixed.device)
     assert meta.cu_seqlens.tolist() == [0, 70, 72, 73, 78] and meta.state_slots.tolist() == [1, 2, 3, 4]
     assert (got - want).abs().max() < 1e-5

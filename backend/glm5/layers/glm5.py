@@ -83,7 +83,9 @@ class Glm5ForCausalLM:
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: HybridCache) -> ModelOutput:
         h = self.embed_tokens(batch)
-        streams = h.unsqueeze(1).expand(-1, self.cfg.text.hc_mult, -1).contiguous()
+        # every stream starts as the embedding; a concatenation copies it at full bandwidth, where the broadcast
+        # copy of expand().contiguous() took 353 µs for an 8K chunk's 268 MB on the H200
+        streams = torch.cat([h] * self.cfg.text.hc_mult, dim=-1).view(h.shape[0], self.cfg.text.hc_mult, -1)
         for layer in self.layers:
             streams = layer(streams, batch, cache)
         hidden = rms_norm(streams.mean(dim=1), self.norm, self.cfg.text.rms_norm_eps)

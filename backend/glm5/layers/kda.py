@@ -176,32 +176,43 @@ class KDALayer:
                                         groups=seq_in.shape[1])[0].t())
         return out
 
-    def _conv_fla(self, mixed: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor) -> torch.Tensor:
-        """:meth:`_conv` through fla's varlen Triton causal conv (SiLU fused, fp32 accumulation): cuDNN's
-        depthwise conv1d took ~1 ms per layer for a 4K chunk. fla reads each request's history from an
-        ``[N, 3D, K]`` initial state whose last ``K-1`` columns are the cached inputs, oldest first;
-        the cached states are then updated exactly as :meth:`_conv` does. The row offsets, slots and fla's
-        chunk list come from :meth:`ForwardBatch.seq_tensors` (built from host lengths: fla would otherwise
-        derive the chunk list from the device offsets, a host sync per call)."""
+    def _conv_fla(self, mixed: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_conv` through fla's varlen Triton causal conv (SiLU fused, fp32 accumulation), as q, k, v
+        ``[T, D]`` each, contiguous: cuDNN's depthwise conv1d took ~1 ms per layer for a 4K chunk. One conv
+        launch per third of the channels, each writing its own tensor, because fla's KDA kernels read
+        ``[T, H, d]`` rows densely: slicing one ``[T, 3D]`` output cost three strided copies per layer (165 µs
+        each at 8192 rows on the H200, 3.0 ms of an 8K prefill). fla reads each request's history from an
+        ``[N, D, K]`` initial state whose last ``K-1`` columns are the cached inputs, oldest first; the cached
+        states are then updated exactly as :meth:`_conv` does. The row offsets, slots and fla's chunk list
+        come from :meth:`ForwardBatch.seq_tensors` (built from host lengths: fla would otherwise derive the
+        chunk list from the device offsets, a host sync per call)."""
+        d = mixed.shape[1] // 3
         if len(batch.seqs) == mixed.shape[0] and all(s.num_tokens == 1 for s in batch.seqs):
-            return self._conv(mixed, batch, conv_state)
+            q, k, v = self._conv(mixed, batch, conv_state).split(d, dim=-1)
+            return q.contiguous(), k.contiguous(), v.contiguous()
         from fla.modules.causal_conv1d import causal_conv1d
 
         kconv = self.conv_w.shape[-1]
         dev = mixed.device
         meta = batch.seq_tensors(dev)
+        n = len(batch.seqs)
         history = conv_state.index_select(0, meta.state_slots).to(mixed.dtype)             # [N, K-1, 3D]
-        init = torch.zeros(len(batch.seqs), mixed.shape[1], kconv, device=dev, dtype=mixed.dtype)
-        init[:, :, 1:] = history.transpose(1, 2)
-        out, _ = causal_conv1d(mixed.unsqueeze(0), weight=self.conv_w.to(mixed.dtype), initial_state=init,
-                               activation="silu", cu_seqlens=meta.cu_seqlens,
-                               chunk_indices=meta.conv_chunk_indices)
+        init = torch.zeros(3, n, d, kconv, device=dev, dtype=mixed.dtype)                  # q, k, v thirds
+        init[..., 1:] = history.view(n, kconv - 1, 3, d).permute(2, 0, 3, 1)
+        weight = self.conv_w.to(mixed.dtype)
+        outs = []
+        for j in range(3):
+            cols = slice(j * d, (j + 1) * d)
+            y, _ = causal_conv1d(mixed[:, cols].unsqueeze(0), weight=weight[cols], initial_state=init[j],
+                                 activation="silu", cu_seqlens=meta.cu_seqlens, chunk_indices=meta.conv_chunk_indices)
+            outs.append(y[0])
         for i, s in enumerate(batch.seqs):
             if s.num_tokens >= kconv - 1:
                 conv_state[s.state_slot].copy_(mixed[s.end - (kconv - 1): s.end])
             else:
                 conv_state[s.state_slot].copy_(torch.cat([history[i], mixed[s.start: s.end]])[-(kconv - 1):])
-        return out[0]
+        return outs[0], outs[1], outs[2]
 
     def _conv_step(self, mixed: torch.Tensor, slots: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
         """One causal-conv step for a batch of single-token rows (row i ↔ state slot ``slots[i]``), updating
@@ -361,8 +372,7 @@ class KDALayer:
         n_tok, dev = mixed.shape[0], mixed.device
         meta = batch.seq_tensors(dev)
         cu, slot_t = meta.cu_seqlens, meta.state_slots
-        conv = self._conv_fla(mixed, batch, conv_state)
-        q, k, v = (t.contiguous().unsqueeze(0) for t in conv.view(n_tok, 3, self.heads, self.head_dim).unbind(1))
+        q, k, v = (t.view(1, n_tok, self.heads, self.head_dim) for t in self._conv_fla(mixed, batch, conv_state))
         f4 = f.view(1, n_tok, self.heads, self.head_dim)
         b3 = b.contiguous().unsqueeze(0)
         lower = self.cfg.linear_lower_bound

@@ -309,7 +309,12 @@ class HeadLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale_inv is None:
-            return torch.einsum("mgk,gnk->mgn", x, self.weight)
+            # one batched GEMM over the heads, written straight into a contiguous [M, G, N] result (cuBLAS takes
+            # the head-major views through their strides): einsum's [G, M, N] product came back as a transposed
+            # view, and the copy that made it contiguous took 355 µs per MLA layer of an 8K prefill (H200)
+            out = torch.empty(x.shape[0], self.weight.shape[0], self.weight.shape[1], dtype=x.dtype, device=x.device)
+            torch.bmm(x.transpose(0, 1), self.weight.transpose(1, 2), out=out.transpose(0, 1))
+            return out
         if fp8_linear_backend(x.device, x.dtype) == "triton":
             from glm5_kernels.fp8_linear import fp8_head_linear
             return fp8_head_linear(x, self.weight, self.scale_inv)

@@ -72,21 +72,27 @@ class MLALayer:
         if batch.decode is not None:
             return self._decode(x, q_resid, q, latent, raw_index, batch, cache)
         backend = attn_backend(x.device, x.dtype, self.rank)
-        out = torch.empty(x.shape[0], self.heads, self.d_v, dtype=x.dtype, device=x.device)
+        # one request's chunk (a long prefill) keeps its attention output as it comes: no copy into a batch buffer
+        whole = len(batch.seqs) == 1 and batch.seqs[0].num_tokens == x.shape[0]
+        out = None if whole else torch.empty(x.shape[0], self.heads, self.d_v, dtype=x.dtype, device=x.device)
         for s in batch.seqs:
             rows = slice(s.start, s.end)
             lat_cache[cache.token_slots(s.block_table, batch.positions[rows])] = latent[rows].to(lat_cache.dtype)
             self.indexer.write(raw_index[rows], s, cache, self.layer, batch.records)
             if backend == "torch":
-                out[rows] = self._attend_reference(x[rows], q_resid[rows], q[rows], s, cache, batch.shared_pools)
+                o = self._attend_reference(x[rows], q_resid[rows], q[rows], s, cache, batch.shared_pools)
             elif batch.shared_pools is None and (
                     (backend == "triton" and not self._causal_from_start(s))
                     or (s.num_tokens <= ABSORB_MAX_TOKENS and self._kernel_width)):
                 # short runs (verification rows, per-request decode) gather their selected rows on both CUDA
                 # paths, as the batched decode does, instead of masking every cached token
-                out[rows] = self._sparse(x[rows], q_resid[rows], q[rows], s, batch.positions[rows], cache)
+                o = self._sparse(x[rows], q_resid[rows], q[rows], s, batch.positions[rows], cache)
             else:
-                out[rows] = self._attend_masked(x[rows], q_resid[rows], q[rows], s, cache, batch.shared_pools)
+                o = self._attend_masked(x[rows], q_resid[rows], q[rows], s, cache, batch.shared_pools)
+            if out is None:
+                out = o.to(x.dtype)
+            else:
+                out[rows] = o
         return self.o_proj(out.reshape(x.shape[0], -1))
 
     def _causal_from_start(self, s: SeqChunk) -> bool:
