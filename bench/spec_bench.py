@@ -268,14 +268,19 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8, help="timed engine steps per (batch, k, mode)")
-    ap.add_argument("--acceptance-only", action="store_true", help="only the acceptance part (runs on a CPU)")
-    ap.add_argument("--rounds-only", action="store_true", help="only the round timings (no acceptance, so no "
-                    "speed-up rows at the measured acceptance)")
+    part = ap.add_mutually_exclusive_group()
+    part.add_argument("--acceptance-only", action="store_true", help="only the acceptance part (runs on a CPU)")
+    part.add_argument("--rounds-only", action="store_true", help="only the round timings (no acceptance, so no "
+                      "speed-up rows at the measured acceptance; not with --merge, which would drop the results "
+                      "file's acceptance)")
     ap.add_argument("--profile", action="store_true", help="also profile one plain step and one k=3 round per batch "
                     "(OUT/profile_spec_b{B}_k{k}.txt)")
     ap.add_argument("--cost-table", type=Path, help="also write the measured round times for speculative_cost_table")
     ap.add_argument("--merge", type=Path, help="add the results as the 'speculative' section of this results JSON")
     args = ap.parse_args()
+    if args.rounds_only and args.merge:
+        ap.error("--rounds-only has no acceptance rows: --merge would replace the file's speculative section "
+                 "(its acceptance and speed-ups) with rows that lack them")
     import os
     logging.basicConfig(level=logging.WARNING)
     args.out.mkdir(parents=True, exist_ok=True)

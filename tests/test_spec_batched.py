@@ -372,9 +372,11 @@ def test_speculative_steps_copy_host_lists_without_blocking(pair, monkeypatch):
         return real_tensor(*args, **kw)
 
     prompts = [random_prompt(n, VOCAB, seed=700 + n) for n in (5, 23, 30)]
-    params = [greedy(10), SamplingParams(temperature=0.7, seed=3, max_tokens=10, ignore_eos=True,
-                                         repetition_penalty=1.2, presence_penalty=0.3),
-              SamplingParams(temperature=0.9, seed=4, max_tokens=10, ignore_eos=True, frequency_penalty=0.2)]
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logit_bias={7: 3.0}),
+              SamplingParams(temperature=0.7, seed=3, max_tokens=10, ignore_eos=True,
+                             repetition_penalty=1.2, presence_penalty=0.3),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=10, ignore_eos=True, frequency_penalty=0.2,
+                             top_k=50, top_p=0.9, min_p=0.01, allowed_token_ids=list(range(0, VOCAB, 2)))]
     eng = engine(ckpt, decode_path="batched", num_speculative_tokens=3)
     monkeypatch.setattr(torch, "tensor", tensor)
     out = eng.generate(prompts, params)

@@ -109,7 +109,8 @@ def token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int, device: 
     if max_len == 0:
         return counts[:, :vocab_size]
     # Pad with the extra bin ``vocab_size`` so one scatter_add handles ragged lists.
-    padded = torch.full((n, max_len), vocab_size, dtype=torch.int64)
+    # pinned from the start on CUDA, so that host_to_device copies it as it is (no second, pinned copy)
+    padded = torch.full((n, max_len), vocab_size, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
     for i, toks in enumerate(token_lists):
         if len(toks):
             t = torch.as_tensor(list(toks), dtype=torch.int64)
@@ -167,18 +168,20 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     vocab = logits.shape[1]
     device = logits.device
     for i, p in enumerate(params):
+        # the ids are checked on the host, so that no device value is read back (a sync per row)
         if p.allowed_token_ids is not None:
-            keep = torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=device)
-            if int(keep.max()) >= vocab:
-                raise ValueError(f"row {i}: allowed_token_ids has id {int(keep.max())} outside the vocabulary [0, {vocab})")
+            top = max(p.allowed_token_ids)
+            if top >= vocab:
+                raise ValueError(f"row {i}: allowed_token_ids has id {top} outside the vocabulary [0, {vocab})")
             mask = torch.ones(vocab, dtype=torch.bool, device=device)
-            mask[keep] = False
+            mask[host_to_device(list(p.allowed_token_ids), device, torch.int64)] = False
             logits[i].masked_fill_(mask, float("-inf"))
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=device)
-            if int(ids.max()) >= vocab:
-                raise ValueError(f"row {i}: logit_bias has id {int(ids.max())} outside the vocabulary [0, {vocab})")
-            bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=device)
+            top = max(p.logit_bias)
+            if top >= vocab:
+                raise ValueError(f"row {i}: logit_bias has id {top} outside the vocabulary [0, {vocab})")
+            ids = host_to_device(list(p.logit_bias), device, torch.int64)
+            bias = host_to_device(list(p.logit_bias.values()), device, logits.dtype)
             logits[i].index_add_(0, ids, bias)
     return logits
 

@@ -23,7 +23,7 @@ from glm5.engine.media_items import media_hash, media_items
 from glm5.engine.prompt_logprobs import prompt_rows
 from glm5.engine.scheduler import SchedulerOutput
 from glm5.engine.sequence import MultiModalData, Sequence
-from glm5.layers.batch import ForwardBatch, SeqChunk
+from glm5.layers.batch import ForwardBatch, SeqChunk, host_to_device
 from glm5.layers.glm5 import Glm5ForCausalLM, ModelOutput
 from glm5.layers.moe import MoE, RebalanceReport, rebalance_experts
 from glm5.layers.mtp import MissingMTPWeights, MTPLayer
@@ -247,17 +247,22 @@ class ModelRunner:
         return step, sample_idx
 
     def batch_from(self, step: PackedStep, shared_pools: dict | None = None) -> ForwardBatch:
-        """The :class:`ForwardBatch` of a packed step on this runner's device."""
+        """The :class:`ForwardBatch` of a packed step on this runner's device. Every integer list goes in one
+        asynchronous copy (:func:`~glm5.layers.batch.host_to_device`) and is cut into views: one blocking
+        ``torch.tensor(list, device=cuda)`` per list would wait for the GPU 4 + requests times per step."""
         dev = self.device
+        parts = [step.input_ids, step.positions, step.logits_rows, step.mm_rows or [],
+                 *(c.block_table for c in step.chunks)]
+        flat = host_to_device([x for part in parts for x in part], dev, torch.long)
+        ids, pos, logits_rows, mm_rows, *tables = flat.split([len(part) for part in parts])
         return ForwardBatch(
-            input_ids=torch.tensor(step.input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(step.positions, dtype=torch.long, device=dev),
-            seqs=[SeqChunk(start=c.start, num_tokens=c.num_tokens, context_len=c.context_len,
-                           block_table=torch.tensor(c.block_table, dtype=torch.long, device=dev),
-                           state_slot=c.state_slot, record_states=c.record_states) for c in step.chunks],
-            logits_indices=torch.tensor(step.logits_rows, dtype=torch.long, device=dev),
+            input_ids=ids, positions=pos,
+            seqs=[SeqChunk(start=c.start, num_tokens=c.num_tokens, context_len=c.context_len, block_table=table,
+                           state_slot=c.state_slot, record_states=c.record_states)
+                  for c, table in zip(step.chunks, tables)],
+            logits_indices=logits_rows,
             mm_embeds=step.mm_embeds.to(dev) if step.mm_embeds is not None else None,
-            mm_rows=torch.tensor(step.mm_rows, dtype=torch.long, device=dev) if step.mm_rows else None,
+            mm_rows=mm_rows if step.mm_rows else None,
             shared_pools=shared_pools, prompt_logprob_rows=list(step.prompt_logprob_rows))
 
     def prepare(self, sched: SchedulerOutput) -> tuple[ForwardBatch, list[tuple[int, int, int]]]:

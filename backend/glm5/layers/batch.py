@@ -14,15 +14,19 @@ import torch
 
 
 def host_to_device(values: list | torch.Tensor, device: torch.device | str,
-                   dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """``values`` (a host list, or a CPU tensor: its dtype is kept) on ``device`` without waiting for the GPU.
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``values`` (a host list, or a CPU tensor) on ``device`` without waiting for the GPU; ``dtype`` as
+    ``torch.tensor`` infers it unless given (a tensor keeps its own unless given).
 
     ``torch.tensor(values, device=cuda)`` copies from pageable memory, which returns only after every kernel
     queued before it has run: a hidden host sync. In a speculative round at batch 1 eight such calls per step
-    held the host until the GPU was idle, then the GPU waited for the host's next launch (2026-12-04 H200
-    trace: 6.8 ms of kernels in an 8.5-9.6 ms step, every gap host-late). Here the list goes to pinned memory
-    and is copied asynchronously (the caching host allocator keeps the pinned block until the copy is done)."""
+    held the host until the GPU was idle, then the GPU waited for the host's next launch (bench/results/limits.md).
+    Here the values go to pinned memory and are copied asynchronously (the caching host allocator keeps the
+    pinned block until the copy is done). A tensor that is pinned already is copied from as it is: the caller
+    must not change it afterwards."""
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if dtype is not None and host.dtype != dtype:
+        host = host.to(dtype)
     dev = torch.device(device)
     if dev.type != "cuda":
         return host.to(dev)

@@ -85,7 +85,7 @@ class Glm5ForCausalLM:
         h = self.embed_tokens(batch)
         # every stream starts as the embedding; a concatenation copies it at full bandwidth, where the broadcast
         # copy of expand().contiguous() took 353 µs for an 8K chunk's 268 MB on the H200
-        streams = torch.cat([h] * self.cfg.text.hc_mult, dim=-1).view(h.shape[0], self.cfg.text.hc_mult, -1)
+        streams = torch.cat([h] * self.cfg.text.hc_mult, dim=-1).view(h.shape[0], self.cfg.text.hc_mult, h.shape[1])
         for layer in self.layers:
             streams = layer(streams, batch, cache)
         hidden = rms_norm(streams.mean(dim=1), self.norm, self.cfg.text.rms_norm_eps)
