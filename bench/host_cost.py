@@ -137,7 +137,7 @@ def decoding_engine(batch: int, mode: str, ckpt: Path, speculative: int = 0, kee
         if eng.spec is None:
             raise RuntimeError("the engine runs no batched speculation; --decode-path batched and an MTP layer needed")
         eng.k_policy = FixedK(0)
-        eng.k_policy.can_pay = lambda b: keep_mtp
+        eng.k_policy.keeps_mtp = lambda b: keep_mtp
         hidden_size = eng.model_config.text.hidden_size
 
         def mtp_forward(fwd_batch, hidden, cache):

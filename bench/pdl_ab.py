@@ -54,17 +54,24 @@ def ab(s: Setup, batch: int, ctx: int, reps: int) -> dict:
             os.environ.pop(ENV, None)
         else:
             os.environ[ENV] = before
-    steps: dict[str, list[float]] = {"0": [], "1": []}
+    steps, ratios = paired_steps(graphs["0"], graphs["1"], reps)
+    return {"batch": batch, "ctx": ctx, "weight_dtype": s.weight_dtype, "reps": reps,
+            "pdl_off_ms": _median(steps[0]) * 1e3, "pdl_on_ms": _median(steps[1]) * 1e3,
+            "on_over_off_median_pair": _median(ratios), "steps_off_s": steps[0], "steps_on_s": steps[1]}
+
+
+def paired_steps(a, b, reps: int) -> tuple[tuple[list[float], list[float]], list[float]]:
+    """``reps`` steps of each of two captured decode steps (:func:`bench.captured_decode`), timed in pairs
+    whose order alternates: (step seconds of ``a``, of ``b``), and each pair's ``b / a``."""
+    steps: tuple[list[float], list[float]] = ([], [])
     ratios = []
     for i in range(reps):
-        order = ("0", "1") if i % 2 == 0 else ("1", "0")
-        pair = {flag: timed_step(graphs[flag]) for flag in order}
-        for flag, t in pair.items():
-            steps[flag].append(t)
-        ratios.append(pair["1"] / pair["0"])
-    return {"batch": batch, "ctx": ctx, "weight_dtype": s.weight_dtype, "reps": reps,
-            "pdl_off_ms": _median(steps["0"]) * 1e3, "pdl_on_ms": _median(steps["1"]) * 1e3,
-            "on_over_off_median_pair": _median(ratios), "steps_off_s": steps["0"], "steps_on_s": steps["1"]}
+        order = (0, 1) if i % 2 == 0 else (1, 0)
+        pair = {j: timed_step((a, b)[j]) for j in order}
+        steps[0].append(pair[0])
+        steps[1].append(pair[1])
+        ratios.append(pair[1] / pair[0])
+    return steps, ratios
 
 
 def main(argv: list[str] | None = None) -> int:

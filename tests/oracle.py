@@ -73,7 +73,7 @@ class ScriptedK:
         self.schedule, self.i, self.pays = schedule, 0, pays
         self.timed: list[tuple[int, bool]] = []
 
-    def can_pay(self, batch: int) -> bool:
+    def keeps_mtp(self, batch: int) -> bool:
         """``pays``: whether the engine keeps the MTP layer's history (drains full backlogs) or drops it."""
         return self.pays
 

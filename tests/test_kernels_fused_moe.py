@@ -141,7 +141,14 @@ def test_fused_moe_interpreter_cpu():
         w, add = torch.rand(5, 3, generator=g), torch.randn(5, 48, generator=g)
         for k_ids in (ids, ids[:, :1]):
             plain = fused_moe(x, wg, wu, wd, w[:, : k_ids.shape[1]], k_ids, 0.7, config=small)
-            both = fused_moe(x, wg, wu, wd, w[:, : k_ids.shape[1]], k_ids, 0.7, config=small, add=add)
+            # before_add (a caller's join of the stream computing add) runs once, after the expert GEMMs
+            import glm5_kernels.fused_moe as fm
+            calls, moe_down = [], fm.moe_down
+            fm.moe_down = lambda *a, **kw: (calls.append("down"), moe_down(*a, **kw))[1]
+            both = fused_moe(x, wg, wu, wd, w[:, : k_ids.shape[1]], k_ids, 0.7, config=small, add=add,
+                             before_add=lambda: calls.append("join"))
+            fm.moe_down = moe_down
+            assert calls == ["down", "join"], calls
             assert torch.allclose(both, plain + add, rtol=1e-6, atol=1e-6), (both - plain - add).abs().max()
         slots = torch.randn(5 * 3, 48, generator=g)
         assert torch.equal(moe_sum(slots, 3, add), moe_sum_ref(slots, 3, add)) and torch.equal(moe_sum(slots, 3),

@@ -229,3 +229,46 @@ def test_probe_credit_does_not_pile_up_and_one_stall_does_not_stop_probing(real_
     with pytest.raises(ValueError, match="round_s must be > 0"):
         (tmp_path / "zero.json").write_text(json.dumps({"rounds": [{"batch": 1, "k": 0, "round_s": 0}]}))
         SpecCostModel.load(tmp_path / "zero.json", real_cfg)
+
+
+def test_backlogs_are_kept_until_the_observed_acceptance_says_no_k_can_pay(tmp_path, real_cfg):
+    """keeps_mtp (drain a full backlog, or drop it): before any draft was verified the benefit of the doubt is
+    full acceptance, so where a k could pay at full acceptance the history is kept; once verified drafts show an
+    acceptance at which no k pays, even optimistically, backlogs are dropped; a high observed acceptance keeps
+    them; and where no k pays even at full acceptance nothing is kept from the start."""
+    # at batch 8 a draft adds 80 % of a plain step: k = 3 pays at full acceptance (4 tokens for 3.4x the cost of a
+    # plain step) but no k pays at 0.8 per position (k = 1: 1.8 tokens for 1.8x, k = 3: 2.95 for 3.4x)
+    cost = SpecCostModel.load(_table(tmp_path, 0.01, {1: 2.0, 8: 0.8, 64: 0.05}), real_cfg)
+    fresh = AdaptiveK(3, cost)
+    assert fresh.tracker.optimistic_rates() == [1.0, 1.0, 1.0]
+    assert fresh.keeps_mtp(8) and fresh.can_pay(8)
+    assert not fresh.keeps_mtp(1) and not fresh.can_pay(1)      # 4 tokens for 7x the cost: never pays
+
+    def observed(rate: float, steps: int) -> AdaptiveK:
+        """k = 3 rounds of 8 requests, each draft accepted with probability ``rate`` once the one before was."""
+        import random
+        rng = random.Random(0)
+        policy = AdaptiveK(3, cost)
+        for _ in range(steps):
+            results = []
+            for _ in range(8):
+                accepted = 0
+                while accepted < 3 and rng.random() < rate:
+                    accepted += 1
+                results.append((3, accepted))
+            policy.observe_step(results)
+        return policy
+    low, high = observed(0.4, 20), observed(0.95, 20)
+    assert max(low.tracker.optimistic_rates()) < 0.75
+    assert not low.keeps_mtp(8)
+    assert low.can_pay(8)            # probing (paid from its budget) still may: full acceptance could pay
+    assert high.keeps_mtp(8)
+    # a k = 1 probe measures the first position only; the later ones are capped by it (a deeper draft is not
+    # taken to be accepted more often than a shallower one)
+    probe = AdaptiveK(3, cost)
+    probe.observe_step([(1, 1)] * 6 + [(1, 0)] * 2)
+    rates = probe.tracker.optimistic_rates()
+    assert rates == pytest.approx([0.8, 0.8, 0.8])
+    assert not probe.keeps_mtp(8)    # k = 3: 1 + 0.8 + 0.64 + 0.51 = 2.95 tokens for 3.4x the cost
+    probe.observe_step([(1, 1)] * 8)
+    assert probe.keeps_mtp(8)        # 14 of 16 probes accepted, 0.89 optimistic: k = 2 gives 2.68 tokens for 2.6x

@@ -61,7 +61,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import triton
@@ -717,13 +717,20 @@ def _check_inputs(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
     dtype_name(x.dtype)
 
 
+def _nothing() -> None:
+    return None
+
+
 def fused_moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, swiglu_limit: float | None,
               config: dict[str, Any] | None = None,
               scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-              expert_map: torch.Tensor | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+              expert_map: torch.Tensor | None = None, add: torch.Tensor | None = None,
+              before_add: Callable[[], None] | None = None) -> torch.Tensor:
     """Routed-expert forward of ``x [T, H]`` → ``[T, H]`` in ``x.dtype`` (see module docstring), plus ``add``
-    ``[T, H]`` (the shared expert's output) when given, added in the slot-sum launch.
+    ``[T, H]`` (the shared expert's output) when given, added in the slot-sum launch. ``before_add`` is called
+    before the first launch that reads ``add`` (a caller computing ``add`` on another stream joins it there,
+    so that its kernels overlap the routed experts').
 
     ``w_gate``/``w_up`` ``[E, I, H]`` and ``w_down`` ``[E, H, I]`` in ``x.dtype``, or float8_e4m3fn with
     ``scales`` = their fp32 128 x 128 block scales (gate, up, down); ``topk_weights``
@@ -740,7 +747,9 @@ def fused_moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
     t, hidden = x.shape
     e, inter, _ = w_gate.shape
     top_k = topk_ids.shape[1]
+    before_add = before_add or _nothing
     if t == 0 or top_k == 0:
+        before_add()
         return torch.zeros_like(x) if add is None else add.clone()
     if config is None:
         config = get_config(t, top_k, e, hidden, inter, x.dtype, x.device, fp8_weights=scales is not None)
@@ -761,6 +770,7 @@ def fused_moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
                     scales=None if scales is None else (scales[0], scales[1]))
     y = moe_down(h, w_down, weights, routing, down_config(config), out=y_out,
                  scale=None if scales is None else scales[2])
+    before_add()
     if top_k == 1 and add is None:
         return y
     return moe_sum(y, top_k, add)

@@ -509,12 +509,13 @@ class LLMEngine:
         return self.k_policy.choose(batch, may_probe=may_probe)
 
     def _mtp_pays(self, batch: int) -> bool:
-        """Whether the MTP layer's history is worth its catch-up at ``batch`` requests: some ``k > 0`` could
-        beat ``k = 0`` there at full acceptance (and the batch is within the batched speculation's cap). Where
-        not, a full backlog is dropped instead of drained (glm5.engine.spec_batched)."""
+        """Whether the MTP layer's history is worth its catch-up at ``batch`` requests: the policy's
+        ``keeps_mtp`` (adaptive: some ``k > 0`` could beat ``k = 0`` at the optimistic acceptance), within the
+        batched speculation's cap. Where not, a full backlog is dropped instead of drained
+        (glm5.engine.spec_batched)."""
         if self.spec is not None and batch > self.spec.max_requests:
             return False
-        return self.k_policy.can_pay(batch)
+        return self.k_policy.keeps_mtp(batch)
 
     def _speculative_step(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
         """A pure-decode step on the batched path: verify, accept and commit on the device, then draft."""

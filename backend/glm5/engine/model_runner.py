@@ -121,7 +121,8 @@ class ModelRunner:
                 raise MissingMTPWeights("speculative decoding needs an MTP layer, but the config declares "
                                         "num_nextn_predict_layers = 0; set num_speculative_tokens=0")
             layer = cfg.text.mtp_layer_ids[0]
-            self.mtp = MTPLayer(cfg, weights, layer, self.model.embed, self.model.lm_head, par, draft_vocab=draft_vocab)
+            self.mtp = MTPLayer(cfg, weights, layer, self.model.embed, self.model.lm_head, par,
+                                draft_vocab=draft_vocab, overlap=self.model.overlap)
             mla_layers.append(layer)
         self.cache = HybridCache(cfg.text, cache_cfg, device, dtype, mla_layers=mla_layers, index_fp8=index_fp8,
                                  kda_heads=cfg.text.linear_num_heads // par.tp_size)

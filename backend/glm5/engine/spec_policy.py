@@ -210,6 +210,18 @@ class AcceptanceTracker:
         return [(a + self.prior * self.prior_weight) / (p + self.prior_weight)
                 for a, p in zip(self.accepted, self.proposed)]
 
+    def optimistic_rates(self) -> list[float]:
+        """The rates with a prior of full acceptance (same weight as the prior of :meth:`rates`), each capped
+        by the one before it: 1.0 where nothing was observed at all, close to the observed rate once many drafts
+        were. The cap assumes that a deeper draft is not accepted more often than a shallower one (the MTP
+        layer drafts each from the one before), so a position never tried (probes draft one token) does not
+        count as certain once the first has been measured."""
+        out, cap = [], 1.0
+        for a, p in zip(self.accepted, self.proposed):
+            cap = min(cap, (a + self.prior_weight) / (p + self.prior_weight))
+            out.append(cap)
+        return out
+
 
 def expected_tokens(rates: list[float], k: int) -> float:
     """Tokens a request emits per round with ``k`` drafts: ``1 + Σ_j Π_{i≤j} a_i``."""
@@ -260,11 +272,23 @@ class AdaptiveK:
     def best(self, batch: int) -> int:
         return max(range(self.k_max + 1), key=lambda k: (self.throughput(batch, k), -k))
 
-    def can_pay(self, batch: int) -> bool:
-        """Whether any ``k > 0`` would beat ``k = 0`` at this batch size even if every draft were accepted
-        (``k + 1`` tokens per round); when none would, probing the acceptance only costs time."""
+    def can_pay(self, batch: int, rates: list[float] | None = None) -> bool:
+        """Whether any ``k > 0`` would beat ``k = 0`` at this batch size at acceptance ``rates`` (default: every
+        draft accepted, ``k + 1`` tokens per round); at full acceptance, when none would, probing the acceptance
+        only costs time."""
         plain = self.cost.round_s(batch, 0)
-        return any((k + 1) / self.cost.round_s(batch, k) > 1.0 / plain for k in range(1, self.k_max + 1))
+        rates = rates if rates is not None else [1.0] * self.k_max
+        return any(expected_tokens(rates, k) / self.cost.round_s(batch, k) > 1.0 / plain
+                   for k in range(1, self.k_max + 1))
+
+    def keeps_mtp(self, batch: int) -> bool:
+        """Whether a request's full backlog is worth draining (the MTP layer keeps following it) rather than
+        dropping (it drafts no more): some ``k > 0`` beats ``k = 0`` at the optimistic acceptance
+        (:meth:`AcceptanceTracker.optimistic_rates`). Before any draft was verified that is full acceptance,
+        so the history is kept until the acceptance is known; once the observed drafts say that no ``k`` could
+        pay even with the benefit of the doubt, the drains stop (each costs replays of the MTP layer over the
+        backlog, pure cost where speculation will not be chosen)."""
+        return self.can_pay(batch, self.tracker.optimistic_rates())
 
     def probe_cost_s(self, batch: int) -> float:
         """What the next probe at ``batch`` requests is expected to cost beyond plain steps."""
@@ -328,7 +352,11 @@ class FixedK:
     def choose(self, batch: int, may_probe: bool = True) -> int:
         return self.k_max
 
-    def can_pay(self, batch: int) -> bool:
+    def can_pay(self, batch: int, rates: list[float] | None = None) -> bool:
+        """A fixed ``k > 0`` always speculates."""
+        return self.k_max > 0
+
+    def keeps_mtp(self, batch: int) -> bool:
         """A fixed ``k > 0`` always speculates, so the MTP layer's history is always kept."""
         return self.k_max > 0
 

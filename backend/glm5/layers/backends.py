@@ -27,6 +27,9 @@ The choices (each set by ``GLM5_<NAME>_BACKEND`` or :func:`set_backends`):
   their torch references (``norms_ref``, the KDA layer's torch conv). ``auto`` is ``triton`` for bf16 on
   CUDA and keeps fp32 (the oracle mode) on the torch ops.
 * ``sampling``: ``torch`` or FlashInfer's fused sampling for unseeded rows.
+* ``overlap``: independent branches of a layer (the MoE's shared expert, the MLA query path, the KDA gate
+  projections) on a second CUDA stream (``stream``) or in order on the current one (``inline``); ``auto`` forks
+  on CUDA for calls of up to ``OVERLAP_MAX_ROWS`` rows (:mod:`glm5.layers.overlap`). Same kernels, same results.
 
 ``auto`` picks the fast path when the tensors live on a CUDA device, the library imports and the
 dtype/shape is one the kernels take, else the torch path (FlashInfer is never auto: see
@@ -65,6 +68,7 @@ FP8_LINEAR_CHOICES = ("auto", "torch", "triton")
 KDA_STEP_CHOICES = ("auto", "torch", "triton")
 ROUTER_CHOICES = ("auto", "torch", "triton")
 FUSE_CHOICES = ("auto", "torch", "triton")
+OVERLAP_CHOICES = ("auto", "stream", "inline")
 
 _overrides: dict[str, str] = {}
 
@@ -76,7 +80,7 @@ class BackendUnavailable(RuntimeError):
 def set_backends(kda: str | None = None, attn: str | None = None, decode_attn: str | None = None,
                  sampling: str | None = None, moe: str | None = None, index: str | None = None,
                  mhc: str | None = None, fp8_linear: str | None = None, kda_step: str | None = None,
-                 router: str | None = None, fuse: str | None = None) -> None:
+                 router: str | None = None, fuse: str | None = None, overlap: str | None = None) -> None:
     """Override the environment for this process (``None`` leaves a setting unchanged)."""
     for name, value, choices in (("kda", kda, KDA_CHOICES), ("attn", attn, ATTN_CHOICES),
                                  ("decode_attn", decode_attn, DECODE_ATTN_CHOICES),
@@ -84,7 +88,8 @@ def set_backends(kda: str | None = None, attn: str | None = None, decode_attn: s
                                  ("index", index, INDEX_CHOICES), ("mhc", mhc, MHC_CHOICES),
                                  ("fp8_linear", fp8_linear, FP8_LINEAR_CHOICES),
                                  ("kda_step", kda_step, KDA_STEP_CHOICES),
-                                 ("router", router, ROUTER_CHOICES), ("fuse", fuse, FUSE_CHOICES)):
+                                 ("router", router, ROUTER_CHOICES), ("fuse", fuse, FUSE_CHOICES),
+                                 ("overlap", overlap, OVERLAP_CHOICES)):
         if value is not None:
             _validate(name, value, choices)
             _overrides[name] = value
@@ -282,6 +287,28 @@ def fuse_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
     output norm and decode conv step, clamped SwiGLU). ``auto``: triton for bf16 on CUDA; fp32 keeps the torch
     ops whose rounding the fp32 oracle tests pin."""
     return _triton_or_torch("fuse", FUSE_CHOICES, device, dtype, auto_dtypes=(torch.bfloat16,))
+
+
+#: Rows up to which ``overlap`` auto forks: decode batches and speculative verification. At these sizes the
+#: forked branches are latency-bound launches or weight streams that run beside idle time (the H200 A/B of
+#: bench/overlap_ab.py, bench/results/limits.md); prefill chunks keep one stream.
+OVERLAP_MAX_ROWS = 256
+
+
+def overlap_backend(device: torch.device, rows: int) -> str:
+    """``"stream"`` (fork a layer's independent branch onto a side stream, :mod:`glm5.layers.overlap`) or
+    ``"inline"`` for a call over ``rows`` rows on ``device``. ``auto``: ``stream`` on CUDA up to
+    :data:`OVERLAP_MAX_ROWS` rows (not under the Triton interpreter); an explicit ``stream`` forks on CUDA at
+    any size."""
+    want = _requested("overlap", OVERLAP_CHOICES)
+    if want == "inline":
+        return "inline"
+    if device.type != "cuda" or interpreting():
+        if want == "stream":
+            raise BackendUnavailable(f"overlap_backend='stream' needs CUDA tensors (got {device}); set "
+                                     "GLM5_OVERLAP_BACKEND=inline or auto")
+        return "inline"
+    return "stream" if want == "stream" or rows <= OVERLAP_MAX_ROWS else "inline"
 
 
 def sampling_backend(device: torch.device) -> str:

@@ -19,18 +19,20 @@ from glm5.layers.mhc import HyperConnection
 from glm5.layers.mla import MLALayer
 from glm5.layers.mlp import DenseMLP
 from glm5.layers.moe import MoE
+from glm5.layers.overlap import StreamOverlap
 from glm5.layers.parallel import ParallelLMHead, VocabParallelEmbedding
 from glm5.layers.vision import VisionTower
 
 
 class DecoderLayer:
-    def __init__(self, weights: dict[str, torch.Tensor], layer: int, cfg: ModelConfig, par: ParallelContext):
+    def __init__(self, weights: dict[str, torch.Tensor], layer: int, cfg: ModelConfig, par: ParallelContext,
+                 overlap: StreamOverlap | None = None):
         t = cfg.text
         p = f"layers.{layer}"
-        self.attn = KDALayer(weights, layer, t, par) if t.layer_kinds[layer] == "kda" \
-            else MLALayer(weights, layer, t, par)
+        self.attn = KDALayer(weights, layer, t, par, overlap) if t.layer_kinds[layer] == "kda" \
+            else MLALayer(weights, layer, t, par, overlap)
         self.mlp = DenseMLP(weights, f"{p}.mlp", t.swiglu_limit, par) if t.mlp_kinds[layer] == "dense" \
-            else MoE(weights, f"{p}.mlp", t, par)
+            else MoE(weights, f"{p}.mlp", t, par, overlap)
         self.attn_hc = HyperConnection(weights, f"{p}.hc_attn", t)
         self.ffn_hc = HyperConnection(weights, f"{p}.hc_ffn", t)
         self.in_norm = weights[f"{p}.input_layernorm.weight"]
@@ -52,14 +54,17 @@ class ModelOutput:
 
 class Glm5ForCausalLM:
     """``par``: this rank's place in a tensor/expert-parallel layout; ``weights`` are then the rank's shards
-    (:mod:`glm5.distributed.sharding`). The embedding and LM head are vocab-parallel, mHC and norms replicated."""
+    (:mod:`glm5.distributed.sharding`). The embedding and LM head are vocab-parallel, mHC and norms replicated.
+    ``overlap``: the side stream its layers fork independent branches onto (:mod:`glm5.layers.overlap`); the
+    MTP layer shares it."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], par: ParallelContext | None = None):
         self.cfg = cfg
         self.par = par = par or ParallelContext.single()
+        self.overlap = StreamOverlap()
         t = cfg.text
         self.embed = VocabParallelEmbedding(weights["embed_tokens.weight"], par)
-        self.layers = [DecoderLayer(weights, i, cfg, par) for i in range(t.num_hidden_layers)]
+        self.layers = [DecoderLayer(weights, i, cfg, par, self.overlap) for i in range(t.num_hidden_layers)]
         self.norm = weights["norm.weight"]
         self.lm_head = ParallelLMHead(Linear(weights["embed_tokens.weight"]) if t.tie_word_embeddings
                                       else Linear.load(weights, "lm_head"), par, t.vocab_size)

@@ -11,6 +11,7 @@ update the request's state slot, so a prompt can be split into chunks anywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ from glm5.layers.backends import fuse_backend, kda_backend, kda_step_backend
 from glm5.layers.batch import ForwardBatch
 from glm5.layers.elementwise import gated_rms_norm
 from glm5.layers.linear import Linear
+from glm5.layers.overlap import StreamOverlap
 from glm5.layers.parallel import RowParallelLinear
 from glm5_kernels.kda_decode_ref import kda_conv_step_ref
 from glm5_kernels.kda_verify_ref import kda_commit_recurrence_ref, kda_gate, kda_step, kda_verify_recurrence_ref
@@ -104,11 +106,12 @@ class KDALayer:
     ``o_proj`` is row-parallel (all-reduce)."""
 
     def __init__(self, weights: dict[str, torch.Tensor], layer: int, cfg: TextConfig,
-                 par: ParallelContext | None = None):
+                 par: ParallelContext | None = None, overlap: StreamOverlap | None = None):
         par = par or ParallelContext.single()
         p = f"layers.{layer}.self_attn"
         self.layer = layer
         self.cfg = cfg
+        self.overlap = overlap or StreamOverlap()
         self.heads, self.head_dim = cfg.linear_num_heads // par.tp_size, cfg.linear_head_dim
         self.dim = self.heads * self.head_dim
         # fused input projection: q | k | v | f_a | g_a | b
@@ -130,17 +133,26 @@ class KDALayer:
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
         proj = self.in_proj(x)
         mixed, f_a, g_a, b = proj.split(self.splits, dim=-1)
-        f = self.f_b(f_a)
-        gate = self.g_b(g_a)
         conv_state, rec_state = cache.conv[self.layer], cache.recurrent[self.layer]
         if batch.decode is not None:
+            # the two low-rank gate projections run on the side stream at small batch (glm5.layers.overlap):
+            # f beside the conv step, the output gate beside the recurrence
+            with self.overlap.branch(x) as f_side:
+                f = self.f_b(f_a)
+            with self.overlap.branch(x) as gate_side:
+                gate = self.g_b(g_a)
             if batch.decode.rows_per_seq > 1:
+                f_side.join()
                 core = self._core_verify(mixed, f, b, batch.decode, conv_state, rec_state)
             else:
-                core = self._core_decode(mixed, f, b, batch.decode.state_slots, conv_state, rec_state)
+                core = self._core_decode(mixed, f, b, batch.decode.state_slots, conv_state, rec_state,
+                                         f_ready=f_side.join)
+            gate_side.join()
             y = gated_rms_norm(core.to(x.dtype), gate.view(-1, self.heads, self.head_dim), self.o_norm,
                                self.cfg.rms_norm_eps)
             return self.o_proj(y.reshape(x.shape[0], self.dim))
+        f = self.f_b(f_a)
+        gate = self.g_b(g_a)
         if kda_backend(x.device, x.dtype) == "fla" and not any(s.record_states for s in batch.seqs):
             core = self._core_fla(mixed, f, b, batch, conv_state, rec_state)
         else:
@@ -235,11 +247,13 @@ class KDALayer:
         return q, k, v, b
 
     def _core_decode(self, mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-                     conv_state: torch.Tensor, rec_state: torch.Tensor) -> torch.Tensor:
+                     conv_state: torch.Tensor, rec_state: torch.Tensor,
+                     f_ready: Callable[[], None] | None = None) -> torch.Tensor:
         """Batched decode (one row per request, rows aligned with ``slots``): one conv step and one
         recurrence step for the whole batch, states gathered and written back by slot tensors — no
         host sync, CUDA-graph capturable. ``f`` is the gate projection before :func:`kda_gate`, ``b``
-        the β logits. Our recurrence kernel (``kda_step`` backend, :func:`glm5_kernels.kda_verify.
+        the β logits; ``f_ready`` is called after the conv step, before ``f`` is read (the caller's join of
+        the branch computing it). Our recurrence kernel (``kda_step`` backend, :func:`glm5_kernels.kda_verify.
         kda_decode_recurrence`) or fla's ``fused_recurrent_kda_fwd`` updates the slot pool in place and
         computes the l2 norms, the gate and the β sigmoid inside the kernel (same formulas and eps as
         :func:`kda_gate` / ``l2_normalize``: ~20 fewer launches per layer). Ours takes its value-block tile
@@ -247,6 +261,8 @@ class KDALayer:
         batch 64-256 where fla's fixed 32-column tile reaches 60-73 % (docs/gpu.md). The torch step is the
         same recurrence vectorised over requests."""
         q, k, v, b = self._qkv_decode(mixed, b, slots, conv_state)
+        if f_ready is not None:
+            f_ready()
         n = mixed.shape[0]
         scale = self.head_dim ** -0.5
         if kda_step_backend(mixed.device, mixed.dtype, decode=True) == "triton":

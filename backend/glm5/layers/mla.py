@@ -25,6 +25,7 @@ from glm5.layers.batch import ForwardBatch, SeqChunk
 from glm5.layers.elementwise import rms_norm
 from glm5.layers.indexer import KPoolIndexer
 from glm5.layers.linear import Linear, MultiOutputLinear, split_heads
+from glm5.layers.overlap import StreamOverlap
 from glm5.layers.parallel import RowParallelLinear
 
 ABSORB_MAX_TOKENS = 8
@@ -36,10 +37,11 @@ class MLALayer:
     replicated, and ``o_proj`` is row-parallel (all-reduce)."""
 
     def __init__(self, weights: dict[str, torch.Tensor], layer: int, cfg: TextConfig,
-                 par: ParallelContext | None = None):
+                 par: ParallelContext | None = None, overlap: StreamOverlap | None = None):
         par = par or ParallelContext.single()
         p = f"layers.{layer}.self_attn"
         self.layer, self.cfg = layer, cfg
+        self.overlap = overlap or StreamOverlap()
         self.heads = cfg.num_attention_heads // par.tp_size
         self.d_qk, self.d_v, self.rank = cfg.qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         # everything that reads the block input x in one GEMM (two in fp8: the bf16 compress gate is separate):
@@ -65,12 +67,12 @@ class MLALayer:
         eps = self.cfg.rms_norm_eps
         q_a, kv_a, k_raw, index_gate = self.x_proj(x)
         q_resid = rms_norm(q_a, self.q_a_norm, eps)
+        if batch.decode is not None:
+            return self._decode(x, q_resid, kv_a, k_raw, index_gate, batch, cache)
         q = self.q_b(q_resid).view(-1, self.heads, self.d_qk)
         latent = rms_norm(kv_a, self.kv_a_norm, eps)
         raw_index = self.indexer.keys(x, (k_raw, index_gate))
         lat_cache = cache.latent[self.layer]
-        if batch.decode is not None:
-            return self._decode(x, q_resid, q, latent, raw_index, batch, cache)
         backend = attn_backend(x.device, x.dtype, self.rank)
         # one request's chunk (a long prefill) keeps its attention output as it comes: no copy into a batch buffer
         whole = len(batch.seqs) == 1 and batch.seqs[0].num_tokens == x.shape[0]
@@ -141,17 +143,23 @@ class MLALayer:
         sparse_mla_prefill(q_lat, cache.latent[self.layer], idx, counts, self.scale, out=o_lat)
         return self.w_uv(o_lat)                                                       # [n, h, d_v]
 
-    def _decode(self, x: torch.Tensor, q_resid: torch.Tensor, q: torch.Tensor, latent: torch.Tensor,
-                raw_index: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
+    def _decode(self, x: torch.Tensor, q_resid: torch.Tensor, kv_a: torch.Tensor, k_raw: torch.Tensor,
+                index_gate: torch.Tensor | None, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
         """Batched decode (one query row per request): every request's selection and attention in
         a few batch-wide launches — no per-request loop, no host sync, so a CUDA graph can capture it.
         Same function as the per-request path: latent write, tail append / pool completion, index
-        scores, top pools by (score, pool id), expansion + tail, absorbed attention over the selection."""
+        scores, top pools by (score, pool id), expansion + tail, absorbed attention over the selection.
+        The query path (``q_b`` and ``W_UK``, weight streams) runs on the side stream beside the latent write
+        and the indexer's selection (latency-bound launches) at small batch (glm5.layers.overlap)."""
         meta = batch.decode
+        with self.overlap.branch(x) as side:
+            q_lat = self.w_uk_t(self.q_b(q_resid).view(-1, self.heads, self.d_qk))
+        latent = rms_norm(kv_a, self.kv_a_norm, self.cfg.rms_norm_eps)
+        raw_index = self.indexer.keys(x, (k_raw, index_gate))
         lat_cache = cache.latent[self.layer]
         lat_cache.index_copy_(0, meta.slot_mapping, latent.to(lat_cache.dtype))
         idx, counts = self.indexer.decode_select(x, q_resid, raw_index, batch.positions, meta, cache, self.layer)
-        q_lat = self.w_uk_t(q)
+        side.join()
         backend = decode_attn_backend(x.device, x.dtype, self.rank)
         if backend == "triton":
             from glm5_kernels.sparse_mla_decode import sparse_mla_decode

@@ -18,6 +18,7 @@ from glm5.distributed import ParallelContext
 from glm5.distributed.eplb import ExpertMap, initial_placement
 from glm5.layers.backends import moe_backend, router_backend
 from glm5.layers.mlp import DenseMLP
+from glm5.layers.overlap import Branch, StreamOverlap
 from glm5_kernels.fp8_ref import SCALE_SUFFIX
 from glm5_kernels.moe_ref import fused_moe_ref
 from glm5_kernels.router_ref import route_ref
@@ -78,9 +79,10 @@ class MoE:
     mode runs eagerly, outside CUDA graphs)."""
 
     def __init__(self, weights: dict[str, torch.Tensor], prefix: str, cfg: TextConfig,
-                 par: ParallelContext | None = None):
+                 par: ParallelContext | None = None, overlap: StreamOverlap | None = None):
         self.cfg = cfg
         self.par = par = par or ParallelContext.single()
+        self.overlap = overlap or StreamOverlap()
         # the torch router runs in fp32: convert once here, not on every step; the Triton router reads the
         # checkpoint's (model dtype) weight with fp32 accumulation
         self.gate_w_model = weights[f"{prefix}.gate.weight"]
@@ -112,30 +114,40 @@ class MoE:
         return [self.w_gate, self.w_up, self.w_down] + (list(self.scales) if self.scales is not None else [])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # the shared expert does not depend on the routing: at small batch it runs on the side stream beside the
+        # router (latency-bound launches) and the routed experts, and is joined just before its sum
+        # (glm5.layers.overlap)
+        with self.overlap.branch(x) as side:
+            shared = self.shared(x) if self.shared is not None else None
         routing = route(x, self.gate_w, self.bias, self.cfg, self.gate_w_model, self.router_workspace)
-        shared = self.shared(x) if self.shared is not None else None
         if self.experts is None:
-            return self.par.tp_all_reduce(self._routed(x, routing.weights, routing.experts, add=shared))
+            return self.par.tp_all_reduce(self._routed(x, routing.weights, routing.experts, add=shared, side=side))
         phys = self.experts.to_physical(routing.experts, self.count_load)
         if self.par.config.ep_dispatch == "all2all":
             out = self._routed_all2all(x, routing.weights, phys)
+            side.join()
             if shared is not None:
                 out = out + self.par.tp_all_reduce(shared)
             return out
         out = self._routed(x, routing.weights, phys, self.experts.local_of_physical,
-                           add=shared if self.par.ranks.replica == 0 else None)
+                           add=shared if self.par.ranks.replica == 0 else None, side=side)
         return self.par.ep_reduce_scatter_gather(out)
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                expert_map: torch.Tensor | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+                expert_map: torch.Tensor | None = None, add: torch.Tensor | None = None,
+                side: Branch | None = None) -> torch.Tensor:
         """This rank's experts on the pairs routed to them (all pairs without an ``expert_map``), plus ``add``
-        (the shared expert's partial; the Triton path adds it in the kernel that sums the slots)."""
+        (the shared expert's partial; the Triton path adds it in the kernel that sums the slots). ``side``: the
+        branch computing ``add``, joined before ``add`` is read."""
+        join = side.join if side is not None else None
         if moe_backend(x.device, x.dtype) == "triton":
             from glm5_kernels.fused_moe import fused_moe
             return fused_moe(x, self.w_gate, self.w_up, self.w_down, weights, ids, self.cfg.swiglu_limit,
-                             scales=self.scales, expert_map=expert_map, add=add)
+                             scales=self.scales, expert_map=expert_map, add=add, before_add=join)
         out = fused_moe_ref(x, self.w_gate, self.w_up, self.w_down, weights, ids, self.cfg.swiglu_limit,
                             scales=self.scales, expert_map=expert_map)
+        if join is not None:
+            join()
         return out if add is None else out + add
 
     def _routed_all2all(self, x: torch.Tensor, weights: torch.Tensor, phys: torch.Tensor) -> torch.Tensor:

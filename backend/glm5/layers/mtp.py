@@ -32,6 +32,7 @@ from glm5.layers.linear import Linear
 from glm5.layers.mla import MLALayer
 from glm5.layers.mlp import DenseMLP
 from glm5.layers.moe import MoE
+from glm5.layers.overlap import StreamOverlap
 from glm5_kernels.norms_ref import rms_norm
 
 
@@ -42,7 +43,8 @@ class MissingMTPWeights(ValueError):
 class MTPLayer:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], layer: int,
                  embed: Callable[[torch.Tensor], torch.Tensor], lm_head: Callable[[torch.Tensor], torch.Tensor],
-                 par: ParallelContext | None = None, draft_vocab: torch.Tensor | None = None):
+                 par: ParallelContext | None = None, draft_vocab: torch.Tensor | None = None,
+                 overlap: StreamOverlap | None = None):
         t = cfg.text
         p = f"layers.{layer}"
         if f"{p}.eh_proj.weight" not in weights:
@@ -68,9 +70,9 @@ class MTPLayer:
         self.in_norm = weights[f"{p}.input_layernorm.weight"]
         self.post_norm = weights[f"{p}.post_attention_layernorm.weight"]
         self.head_norm = weights[f"{p}.shared_head.norm.weight"]
-        self.attn = MLALayer(weights, layer, t, par)
+        self.attn = MLALayer(weights, layer, t, par, overlap)
         self.mlp = DenseMLP(weights, f"{p}.mlp", t.swiglu_limit, par) if t.mtp_mlp_kind() == "dense" \
-            else MoE(weights, f"{p}.mlp", t, par)
+            else MoE(weights, f"{p}.mlp", t, par, overlap)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor, cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
