@@ -289,9 +289,10 @@ def fuse_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
     return _triton_or_torch("fuse", FUSE_CHOICES, device, dtype, auto_dtypes=(torch.bfloat16,))
 
 
-#: Rows up to which ``overlap`` auto forks: decode batches and speculative verification. At these sizes the
-#: forked branches are latency-bound launches or weight streams that run beside idle time (the H200 A/B of
-#: bench/overlap_ab.py, bench/results/limits.md); prefill chunks keep one stream.
+#: Rows up to which ``overlap`` auto forks: decode batches (up to 256 requests) and speculative verification
+#: (up to 64 requests x 4 rows). At these sizes the forked branches are latency-bound launches or weight streams
+#: that can run beside idle time; prefill chunks keep one stream. ``bench/overlap_ab.py`` measures the step
+#: both ways (docs/gpu.md).
 OVERLAP_MAX_ROWS = 256
 
 
