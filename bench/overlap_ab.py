@@ -10,9 +10,6 @@ capture time, so the step is captured twice on one Setup, once with ``overlap=in
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import sys
 from pathlib import Path
 
@@ -20,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import Setup, captured_decode  # noqa: E402
-from pdl_ab import _median, paired_steps  # noqa: E402
+from pdl_ab import _median, paired_steps, run_ab  # noqa: E402
 
 
 def ab(s: Setup, batch: int, ctx: int, reps: int) -> dict:
@@ -40,29 +37,7 @@ def ab(s: Setup, batch: int, ctx: int, reps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out", type=Path, help="JSON file to write")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
-    ap.add_argument("--ctx", type=int, default=1024)
-    ap.add_argument("--reps", type=int, default=200, help="steps per setting")
-    ap.add_argument("--weight-dtypes", default="bfloat16,float8_e4m3fn")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/overlap_ab.py needs a CUDA GPU")
-    res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv), "rows": []}
-    for wdt in [d.strip() for d in args.weight_dtypes.split(",") if d.strip()]:
-        s = Setup(max(args.batches), args.ctx, wdt)
-        for b in args.batches:
-            row = ab(s, b, args.ctx, args.reps)
-            res["rows"].append(row)
-            print(json.dumps({k: v for k, v in row.items() if not k.startswith("steps_")}), flush=True)
-            args.out.write_text(json.dumps(res, indent=1))
-        s.close()
-        del s
-        torch.cuda.empty_cache()
-    args.out.write_text(json.dumps(res, indent=1))
-    return 0
+    return run_ab(ab, __doc__.split("\n\n")[0], "overlap_ab.py", [1, 8, 64, 256], argv)
 
 
 if __name__ == "__main__":

@@ -74,29 +74,36 @@ def paired_steps(a, b, reps: int) -> tuple[tuple[list[float], list[float]], list
     return steps, ratios
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run_ab(ab_fn, description: str, tool: str, default_batches: list[int], argv: list[str] | None = None) -> int:
+    """The command line of an A/B tool: ``ab_fn(setup, batch, ctx, reps)`` per weight dtype and batch, each row
+    printed and the JSON rewritten as rows arrive (a run cut short keeps what it measured)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("out", type=Path, help="JSON file to write")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--batches", type=int, nargs="+", default=default_batches)
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=200, help="steps per setting")
     ap.add_argument("--weight-dtypes", default="bfloat16,float8_e4m3fn")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench/pdl_ab.py needs a CUDA GPU")
+        raise SystemExit(f"bench/{tool} needs a CUDA GPU")
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv), "rows": []}
     for wdt in [d.strip() for d in args.weight_dtypes.split(",") if d.strip()]:
         s = Setup(max(args.batches), args.ctx, wdt)
         for b in args.batches:
-            row = ab(s, b, args.ctx, args.reps)
+            row = ab_fn(s, b, args.ctx, args.reps)
             res["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if not k.startswith("steps_")}), flush=True)
+            args.out.write_text(json.dumps(res, indent=1))
         s.close()
         del s
         torch.cuda.empty_cache()
     args.out.write_text(json.dumps(res, indent=1))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_ab(ab, __doc__.split("\n\n")[0], "pdl_ab.py", [1, 64], argv)
 
 
 if __name__ == "__main__":
