@@ -13,7 +13,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import Setup, captured_decode  # noqa: E402
 from pdl_ab import _median, paired_steps, run_ab  # noqa: E402
