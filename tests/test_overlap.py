@@ -40,7 +40,7 @@ def test_inline_branch_runs_in_order_and_join_is_a_no_op():
     x = torch.ones(3, 4)
     with StreamOverlap().branch(x) as side:
         y = x * 2
-    assert isinstance(side, Branch) and not side.forked
+    assert isinstance(side, Branch) and side.stream is None
     side.join()
     side.join()
     assert torch.equal(y, torch.full((3, 4), 2.0))

@@ -352,10 +352,6 @@ class FixedK:
     def choose(self, batch: int, may_probe: bool = True) -> int:
         return self.k_max
 
-    def can_pay(self, batch: int, rates: list[float] | None = None) -> bool:
-        """A fixed ``k > 0`` always speculates."""
-        return self.k_max > 0
-
     def keeps_mtp(self, batch: int) -> bool:
         """A fixed ``k > 0`` always speculates, so the MTP layer's history is always kept."""
         return self.k_max > 0

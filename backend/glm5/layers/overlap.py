@@ -59,11 +59,6 @@ class Branch:
             self._done.record(self.stream)
         return False
 
-    @property
-    def forked(self) -> bool:
-        """Whether the branch ran on the side stream and has not been joined yet."""
-        return self._done is not None
-
     def join(self) -> None:
         """Make the current stream wait for the branch's work (once; later calls and inline branches do
         nothing)."""
