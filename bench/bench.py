@@ -123,15 +123,16 @@ class Setup:
         from glm5.cache.hybrid_cache import CacheConfig, HybridCache
         from glm5.config import ModelConfig
         from glm5.layers.glm5 import Glm5ForCausalLM
-        from glm5.weights import dummy_weights, quantize_weights
+        from glm5.weights import dummy_weights
+        from glm5.weights.names import SCALE_SUFFIX, is_fp8_linear_weight
 
         self.cfg = ModelConfig.from_dict(bench_config_dict())
         self.weight_dtype = weight_dtype
         t = self.cfg.text
-        self.weights = dummy_weights(self.cfg, "cuda", torch.bfloat16, include_mtp=False)
-        self.params = {n: w.numel() for n, w in self.weights.items()}
-        if weight_dtype == "float8_e4m3fn":
-            self.weights = quantize_weights(self.weights, inplace=True)
+        # fp8: each linear quantized as it is made (the 80 GB of bf16 weights never exist at once)
+        self.weights = dummy_weights(self.cfg, "cuda", torch.bfloat16, include_mtp=False,
+                                     quantize=is_fp8_linear_weight if weight_dtype == "float8_e4m3fn" else None)
+        self.params = {n: w.numel() for n, w in self.weights.items() if not n.endswith(SCALE_SUFFIX)}
         self.par = par
         self.model = Glm5ForCausalLM(self.cfg, self.weights, par)
         self.bs = 64

@@ -262,6 +262,22 @@ def test_packed_fp8_experts_keep_their_chunks(tmp_path):
                                             quant["layers.1.mlp.experts.up_proj" + SCALE_SUFFIX]))
 
 
+def test_dummy_weights_quantized_as_made_equal_quantizing_the_finished_dict(tiny_checkpoint_dir):
+    """The bench's fp8 Setup quantizes each dummy weight as it is made (the bf16 stack never exists at once):
+    the same names, codes and scales as quantizing the finished dict, and the generator's draws unchanged."""
+    from glm5.config import ModelConfig
+    from glm5.weights import dummy_weights
+
+    cfg = ModelConfig.from_pretrained(tiny_checkpoint_dir)
+    after = quantize_weights(dummy_weights(cfg, dtype=torch.bfloat16, seed=5, include_mtp=True))
+    made = dummy_weights(cfg, dtype=torch.bfloat16, seed=5, include_mtp=True, quantize=is_fp8_linear_weight)
+    assert made.keys() == after.keys()
+    assert any(n.endswith(SCALE_SUFFIX) for n in made)
+    for n, t in after.items():
+        assert made[n].dtype == t.dtype, n
+        assert torch.equal(made[n].view(torch.uint8), t.view(torch.uint8)), n
+
+
 def test_online_fp8_quantizes_an_unquantized_checkpoint(tiny_checkpoint_dir):
     dense = load_weights(tiny_checkpoint_dir, progress=False)
     auto = load_weights(tiny_checkpoint_dir, progress=False, quantization="auto")

@@ -9,12 +9,14 @@ so even a full-size layer stack can be materialized without a checkpoint.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
 from glm5.config import ModelConfig
 from glm5.distributed.sharding import WeightSharding
-from glm5.weights.names import expected_weight_shapes, is_fp32_weight
+from glm5.weights.fp8 import quantize_tensor
+from glm5.weights.names import SCALE_SUFFIX, expected_weight_shapes, is_fp32_weight
 
 
 def _fan_in(name: str, shape: tuple[int, ...]) -> int:
@@ -30,7 +32,8 @@ def _is_norm_weight(name: str) -> bool:
 
 def dummy_weights(cfg: ModelConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
                   seed: int = 0, include_mtp: bool = True,
-                  sharding: WeightSharding | None = None, fp8: bool = False) -> dict[str, torch.Tensor]:
+                  sharding: WeightSharding | None = None, fp8: bool = False,
+                  quantize: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """Random canonical weights for ``cfg`` on ``device``: same names and shapes as
     :func:`glm5.weights.expected_weight_shapes`, ``dtype`` except the fp32 set. Deterministic for a
     given ``seed`` and device type. ``sharding``: only this rank's shard of each tensor, created directly at
@@ -39,7 +42,12 @@ def dummy_weights(cfg: ModelConfig, device: str | torch.device = "cpu", dtype: t
 
     ``fp8``: the tensors the fp8 checkpoint stores block-scaled (:func:`glm5.weights.memory_plan.is_fp8_weight`)
     are made as ``float8_e4m3fn`` with fp32 scales per 128×128 block under ``<name>_scale_inv`` (``[E, ...]``
-    for stacked experts), the checkpoint's format, with the same effective magnitudes."""
+    for stacked experts), the checkpoint's format, with the same effective magnitudes.
+
+    ``quantize``: the tensors it selects are drawn in ``dtype`` as usual and quantized as each is made
+    (:func:`glm5.weights.fp8.quantize_tensor`, online fp8's format: the same values as quantizing the finished
+    dict), so the peak is the quantized model plus one ``dtype`` tensor: the bench config's 80 GB of bf16 weights
+    never exist at once, and its fp8 model fits an 80 GB GPU."""
     from glm5.weights.memory_plan import is_fp8_weight
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -86,4 +94,7 @@ def dummy_weights(cfg: ModelConfig, device: str | torch.device = "cpu", dtype: t
         else:
             t = randn(shape, dt).mul_(1.0 / math.sqrt(fan_in))
         out[name] = t
+        if quantize is not None and quantize(name):
+            out[name], out[name + SCALE_SUFFIX] = quantize_tensor(t)
+            del t
     return out

@@ -29,16 +29,21 @@ def quantize_weights(weights: dict[str, torch.Tensor], select: Callable[[str], b
         if name.endswith(SCALE_SUFFIX) or name + SCALE_SUFFIX in weights or not select(name):
             out[name] = t
             continue
-        if t.dim() == 3:  # stacked experts: a few at a time (the fp32 temporaries of all 288 would be ~20 GB)
-            q = torch.empty(t.shape, dtype=FP8_DTYPE, device=t.device)
-            s = torch.empty(block_scale_shape(t.shape), dtype=torch.float32, device=t.device)
-            for lo in range(0, t.shape[0], 16):
-                q[lo:lo + 16], s[lo:lo + 16] = quantize_fp8_block(t[lo:lo + 16])
-        else:
-            q, s = quantize_fp8_block(t)
+        out[name], out[name + SCALE_SUFFIX] = quantize_tensor(t)
         del t
-        out[name], out[name + SCALE_SUFFIX] = q, s
     return out
+
+
+def quantize_tensor(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One weight as float8_e4m3fn and its fp32 128 x 128 block scales; a stacked ``[E, ...]`` expert tensor a
+    few experts at a time (the fp32 temporaries of all 288 would be ~20 GB)."""
+    if t.dim() != 3:
+        return quantize_fp8_block(t)
+    q = torch.empty(t.shape, dtype=FP8_DTYPE, device=t.device)
+    s = torch.empty(block_scale_shape(t.shape), dtype=torch.float32, device=t.device)
+    for lo in range(0, t.shape[0], 16):
+        q[lo:lo + 16], s[lo:lo + 16] = quantize_fp8_block(t[lo:lo + 16])
+    return q, s
 
 
 def weight_bytes(weights: dict[str, torch.Tensor]) -> int:
@@ -46,4 +51,4 @@ def weight_bytes(weights: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in weights.values())
 
 
-__all__ = ["quantize_weights", "weight_bytes"]
+__all__ = ["quantize_tensor", "quantize_weights", "weight_bytes"]
