@@ -74,16 +74,21 @@ def paired_steps(a, b, reps: int) -> tuple[tuple[list[float], list[float]], list
     return steps, ratios
 
 
-def run_ab(ab_fn, description: str, tool: str, default_batches: list[int], argv: list[str] | None = None) -> int:
-    """The command line of an A/B tool: ``ab_fn(setup, batch, ctx, reps)`` per weight dtype and batch, each row
-    printed and the JSON rewritten as rows arrive (a run cut short keeps what it measured)."""
+def run_ab(make_ab, description: str, tool: str, default_batches: list[int], argv: list[str] | None = None,
+           add_args=None) -> int:
+    """The command line of an A/B tool: ``make_ab(args)`` gives ``ab(setup, batch, ctx, reps)``, run per weight
+    dtype and batch, each row printed and the JSON rewritten as rows arrive (a run cut short keeps what it
+    measured). ``add_args(parser)`` adds the tool's own options."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("out", type=Path, help="JSON file to write")
     ap.add_argument("--batches", type=int, nargs="+", default=default_batches)
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=200, help="steps per setting")
     ap.add_argument("--weight-dtypes", default="bfloat16,float8_e4m3fn")
+    if add_args is not None:
+        add_args(ap)
     args = ap.parse_args(argv)
+    ab_fn = make_ab(args)
     if not torch.cuda.is_available():
         raise SystemExit(f"bench/{tool} needs a CUDA GPU")
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -103,7 +108,7 @@ def run_ab(ab_fn, description: str, tool: str, default_batches: list[int], argv:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_ab(ab, __doc__.split("\n\n")[0], "pdl_ab.py", [1, 64], argv)
+    return run_ab(lambda args: ab, __doc__.split("\n\n")[0], "pdl_ab.py", [1, 64], argv)
 
 
 if __name__ == "__main__":

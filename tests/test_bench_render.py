@@ -81,7 +81,7 @@ TOOLS = ["bench.py", "render_results.py", "kernel_bench.py", "flashinfer_bench.p
          "tune_fused_moe.py", "bf16_diag.py", "fp8_check.py", "memory_table.py", "http_front_latency.py", "prefix_cache_bench.py",
          "spec_bench.py",
          "kernel_count.py", "kernel_check.py", "multigpu.py", "ep_dispatch.py", "distributed_order_check.py",
-         "graph_gaps.py", "host_cost.py", "pdl_ab.py", "overlap_ab.py"]
+         "graph_gaps.py", "host_cost.py", "pdl_ab.py", "backend_ab.py", "gemv16_table.py"]
 
 
 def test_every_bench_tool_is_listed_here():

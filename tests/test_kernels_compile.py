@@ -240,18 +240,30 @@ def test_fp8_gemv_kernel_compiles(dtype, block_m, block_n, block_k, split, bias,
 @pytest.mark.parametrize("block_m,block_n,block_k,split,pdl", [(1, 16, 512, 1, False), (1, 8, 512, 2, False),
                                                              (4, 16, 256, 1, False), (1, 8, 1024, 1, True)])
 def test_fp8_gemv_fma_kernel_compiles(block_m, block_n, block_k, split, pdl):
-    """The FMA GEMV's table tiles at M = 1 and a 4-row one (its 3D accumulator must stay in registers); with
-    PDL, its first weight tile loaded before ``griddepcontrol.wait``."""
-    from glm5_kernels.fp8_linear import _fp8_gemv_fma_kernel
-    _compile(_fp8_gemv_fma_kernel, dict(x_ptr="bf16", w_ptr="fp8e4nv", s_ptr="fp32",
-                                        y_ptr="bf16" if split == 1 else "fp32", b_ptr="fp32"),
+    """The FMA GEMV over fp8 weights: the table tiles at M = 1 and a 4-row one (its 3D accumulator must stay in
+    registers); with PDL, its first weight tile loaded before ``griddepcontrol.wait``."""
+    from glm5_kernels.gemv import _gemv_fma_kernel
+    _compile(_gemv_fma_kernel, dict(x_ptr="bf16", w_ptr="fp8e4nv", s_ptr="fp32",
+                                    y_ptr="bf16" if split == 1 else "fp32", b_ptr="fp32"),
              dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, SB=128, HAS_BIAS=False,
-                  EVEN_K=True, USE_PDL=pdl), num_stages=2)
+                  EVEN_K=True, SCALED=True, USE_PDL=pdl), num_stages=2)
+
+
+@pytest.mark.parametrize("block_m,block_n,block_k,split,even,bias", [(1, 4, 2048, 1, True, False),
+                                                                    (4, 4, 512, 2, True, True),
+                                                                    (2, 8, 1024, 1, False, False)])
+def test_gemv16_kernel_compiles(block_m, block_n, block_k, split, even, bias):
+    """The same kernel over bf16 weights (no scales): the default tiles, a split with a bias, a ragged K."""
+    from glm5_kernels.gemv import _gemv_fma_kernel
+    _compile(_gemv_fma_kernel, dict(x_ptr="bf16", w_ptr="bf16", s_ptr="bf16", y_ptr="bf16" if split == 1 else "fp32",
+                                    b_ptr="bf16"),
+             dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, SB=128, HAS_BIAS=bias,
+                  EVEN_K=even, SCALED=False, USE_PDL=True), num_warps=4, num_stages=4)
 
 
 @pytest.mark.parametrize("split,out", [(2, "bf16"), (8, "fp32")])
-def test_fp8_split_sum_kernel_compiles(split, out):
-    from glm5_kernels.fp8_linear import _split_sum_kernel
+def test_split_sum_kernel_compiles(split, out):
+    from glm5_kernels.gemv import _split_sum_kernel
     _compile(_split_sum_kernel, dict(p_ptr="fp32", y_ptr=out), dict(SPLIT=split, BLOCK=1024))
 
 

@@ -185,18 +185,21 @@ def test_an_fma_entry_of_the_table_serves_only_up_to_its_rows(monkeypatch):
            "num_stages": 3}
     gemv = {"impl": "gemv", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4,
             "num_stages": 4}
-    monkeypatch.setattr(fl, "_device_name", lambda index: "FAKE")
+    monkeypatch.setattr(fl, "device_name", lambda index: "FAKE")
     monkeypatch.setattr(fl, "load_table", lambda name: {(4096, 4096): ((1, fma), (64, gemv))})
     cuda = torch.device("cuda", 0)
     assert fl.select_impl(1, 4096, 4096, torch.bfloat16, cuda) == fma
     assert fl.select_impl(8, 4096, 4096, torch.bfloat16, cuda) == gemv          # nearest is M = 1, but too few rows
-    assert fl.select_impl(1, 4096, 4096, torch.float32, cuda)["impl"] == "gemv"  # fp32 takes the default
+    assert fl.select_impl(1, 4096, 4096, torch.float32, cuda) == fl.FMA_DEFAULT  # fp32 takes the default
+    assert fl.select_impl(2, 4096, 4096, torch.float32, cuda)["impl"] == "gemv"
 
 
 def test_default_choice_per_shape():
     pytest.importorskip("triton")
     from glm5_kernels import fp8_linear as fl
-    assert fl.default_impl(1, 4096, 4096, torch.bfloat16)["impl"] == "gemv"
+    assert fl.default_impl(1, 4096, 4096, torch.bfloat16) == fl.FMA_DEFAULT               # one row: CUDA-core FMAs
+    assert fl.default_impl(1, 4096, 4096, torch.bfloat16) is not fl.FMA_DEFAULT          # a copy
+    assert fl.default_impl(2, 4096, 4096, torch.bfloat16)["impl"] == "gemv"
     assert fl.default_impl(4096, 4096, 4096, torch.float32)["impl"] == "gemv"   # fp32 is never quantised
     big = fl.default_impl(4096, 24896, 4096, torch.bfloat16)
     assert big["impl"] == "w8a8"                                               # N not a multiple of 128

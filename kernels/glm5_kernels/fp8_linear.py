@@ -34,7 +34,6 @@ and allocates only with shapes known on the host, so it is CUDA-graph capturable
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,8 @@ import triton
 import triton.language as tl
 
 from glm5_kernels.fp8_ref import BLOCK, FP8_DTYPE, FP8_MAX, MIN_AMAX, fp8_head_linear_ref
+from glm5_kernels.gemv import GEMV_KEYS, Table, device_name, gemv_fma, k_split, nearest_entry, read_table, \
+    split_output, split_sum, w_tile, x_tile
 from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,6 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 IMPLS = ("gemv", "gemv_fma", "gemv_w8a8", "scaled_mm", "w8a8")
 #: The GEMV implementations (tile keys GEMV_KEYS).
 GEMV_IMPLS = ("gemv", "gemv_fma", "gemv_w8a8")
-GEMV_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 W8A8_KEYS = ("BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages")
 #: ``max_num_imprecise_acc`` of the e4m3 x e4m3 dots: the H100/H200 fp8 tensor cores accumulate with ~14
 #: mantissa bits unless the compiler moves the sum into fp32 registers every this many products (Triton's
@@ -65,6 +65,10 @@ GEMV_MAX_M = 64
 #: and runs the batched bf16 GEMM instead of the GEMV: in the 2026-12-03 09:19 UTC H200 profiles of an 8K prefill
 #: (4096-row chunks) the GEMV took 615 µs per call against 133 µs for the bf16 weights' batched GEMM.
 HEAD_GEMV_MAX_M = 256
+#: The one-row choice without a table entry (a GPU without a measured table): the tiles the H200 table picks for
+#: most shapes at M = 1 (the ``gemv`` tiles, 16-row MMAs for one row, were several times slower on an H100).
+FMA_DEFAULT = {"impl": "gemv_fma", "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1, "num_warps": 4,
+               "num_stages": 2}
 #: Rows per program of the activation quantiser (:func:`per_token_group_quant_fp8`).
 QUANT_ROWS = 16
 #: Largest M at which the w8a8 GEMM honours a table entry's ``SPLIT_K`` (above it the M tiles fill the GPU).
@@ -74,33 +78,6 @@ W8A8_SPLIT_MAX_M = 256
 # ----------------------------------------------------------------------------------------------
 # kernels
 # ----------------------------------------------------------------------------------------------
-
-@triton.jit
-def _x_tile(x_base, kk, m_ok, K, EVEN_K: tl.constexpr):
-    """The activation rows ``[BLOCK_M, BLOCK_K]`` of one K tile of a GEMV strip; zeros past K."""
-    if EVEN_K:
-        return tl.load(x_base + kk[None, :], mask=m_ok[:, None], other=0.0)
-    return tl.load(x_base + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
-
-
-@triton.jit
-def _w_tile(w_base, s_base, kk, K, SB: tl.constexpr, EVEN_K: tl.constexpr, W_ROWS_K: tl.constexpr):
-    """The e4m3 weight tile of one K tile of a GEMV strip (``[BLOCK_K, BLOCK_N]`` when ``W_ROWS_K``, the tl.dot
-    operand layout, else ``[BLOCK_N, BLOCK_K]``) and the strip's weight scale of each column ``[BLOCK_K]``;
-    zeros past K (``EVEN_K`` = no mask: every tile is inside K)."""
-    if W_ROWS_K:
-        w_ptrs = w_base + kk[:, None]
-    else:
-        w_ptrs = w_base + kk[None, :]
-    if EVEN_K:
-        return tl.load(w_ptrs), tl.load(s_base + kk // SB)
-    k_ok = kk < K
-    if W_ROWS_K:
-        b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-    else:
-        b = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-    return b, tl.load(s_base + kk // SB, mask=k_ok, other=0.0)
-
 
 @triton.jit
 def quantize_rows(a, FP8_MAX_: tl.constexpr, MIN_AMAX_: tl.constexpr):
@@ -209,16 +186,16 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr,
     kt1 = tl.minimum(kt0 + per_split, k_tiles)
     # the strip's first weight tile is read before the PDL wait (no kernel writes weights), so it streams in
     # while the preceding kernel finishes; masked: the last split may be empty
-    b, sc = _w_tile(w_base, s_base, kt0 * BLOCK_K + offs_k, K, SB, False, True)
+    b, sc = w_tile(w_base, s_base, kt0 * BLOCK_K + offs_k, K, SB, False, True, True)
     pdl_enter(USE_PDL)
     acc = w8a8_acc(BLOCK_M, BLOCK_N, SWAP_AB)
     if kt0 < kt1:
-        acc = _gemv_dot_step(acc, _x_tile(x_base, kt0 * BLOCK_K + offs_k, m_ok, K, EVEN_K), b, sc, s_base, kt0,
+        acc = _gemv_dot_step(acc, x_tile(x_base, kt0 * BLOCK_K + offs_k, m_ok, K, EVEN_K), b, sc, s_base, kt0,
                              x_ptr, SB, BLOCK_K, IEEE, A_FP8, FP8_MAX_, MIN_AMAX_, FP8_ACC, SWAP_AB)
     for kt in range(kt0 + 1, kt1):
         kk = kt * BLOCK_K + offs_k
-        b, sc = _w_tile(w_base, s_base, kk, K, SB, EVEN_K, True)
-        acc = _gemv_dot_step(acc, _x_tile(x_base, kk, m_ok, K, EVEN_K), b, sc, s_base, kt, x_ptr, SB, BLOCK_K,
+        b, sc = w_tile(w_base, s_base, kk, K, SB, EVEN_K, True, True)
+        acc = _gemv_dot_step(acc, x_tile(x_base, kk, m_ok, K, EVEN_K), b, sc, s_base, kt, x_ptr, SB, BLOCK_K,
                              IEEE, A_FP8, FP8_MAX_, MIN_AMAX_, FP8_ACC, SWAP_AB)
     acc = w8a8_rows(acc, SWAP_AB)
     if HAS_BIAS:
@@ -226,72 +203,6 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr,
             acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + pid_k.to(tl.int64) * stride_yk + g * stride_yg + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n < N)[None, :])
-
-
-@triton.jit
-def _gemv_fma_step(acc3, x, w, sc):
-    """``acc3 [BM, BN, BK]`` plus one K tile's elementwise products in :func:`_fp8_gemv_fma_kernel`: the weight
-    scales folded into the activation, the e4m3 tile widened to fp32 in registers."""
-    xs = x.to(tl.float32) * sc[None, :]
-    return acc3 + w.to(tl.float32)[None, :, :] * xs[:, None, :]
-
-
-@triton.jit(do_not_specialize=["M"])
-def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, b_ptr, M, N, K,
-                         stride_xm, stride_wn, stride_sn, stride_yk, stride_ym,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SPLIT_K: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                         USE_PDL: tl.constexpr = False):
-    """y[m, n] (+ split k's partial) = sum_k x[m, k] * s[n // SB, k // SB] * w[n, k] (+ bias[n]), in fp32 FMAs
-    on the CUDA cores: the e4m3 tile is widened to fp32 in registers and never goes through tl.dot.
-    Grid (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)); BLOCK_N divides SB (one scale row per strip)."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M
-    n_blk = (pid_n * BLOCK_N) // SB
-    # rows past N wrap onto valid weight rows (their results are never stored): no mask on the weight rows
-    w_base = w_ptr + (offs_n % N).to(tl.int64)[:, None] * stride_wn
-    x_base = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    s_base = s_ptr + n_blk * stride_sn
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
-    kt0 = pid_k * per_split
-    kt1 = tl.minimum(kt0 + per_split, k_tiles)
-    w, sc = _w_tile(w_base, s_base, kt0 * BLOCK_K + offs_k, K, SB, False, False)   # before the wait, as above
-    pdl_enter(USE_PDL)
-    # products accumulate elementwise over the K tiles and are reduced across K once, after the loop: the
-    # loop body is loads and FMAs only (a reduction per tile costs a cross-warp exchange per tile)
-    acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if kt0 < kt1:
-        acc3 = _gemv_fma_step(acc3, _x_tile(x_base, kt0 * BLOCK_K + offs_k, m_ok, K, EVEN_K), w, sc)
-    for kt in range(kt0 + 1, kt1):
-        kk = kt * BLOCK_K + offs_k
-        w, sc = _w_tile(w_base, s_base, kk, K, SB, EVEN_K, False)
-        acc3 = _gemv_fma_step(acc3, _x_tile(x_base, kk, m_ok, K, EVEN_K), w, sc)
-    acc = tl.sum(acc3, axis=2)
-    if HAS_BIAS:
-        if pid_k == 0:
-            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + pid_k.to(tl.int64) * stride_yk + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n < N)[None, :])
-
-
-@triton.jit(do_not_specialize=["R"])
-def _split_sum_kernel(p_ptr, y_ptr, R, SPLIT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """y[r] = Σ_s p[s, r] over a K split's fp32 partials, in a fixed order, cast to y's dtype: the second step
-    of a split GEMV in one launch (``p.sum(0).to(dtype)`` is a reduction and a cast, two launches and a
-    round trip of the sum through memory). Grid cdiv(R, BLOCK)."""
-    pdl_enter(USE_PDL)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < R
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for sk in tl.static_range(SPLIT):
-        acc += tl.load(p_ptr + R.to(tl.int64) * sk + offs, mask=ok, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -393,9 +304,11 @@ def default_w8a8_config(m: int, n: int) -> dict[str, Any]:
 
 
 def default_impl(m: int, n: int, k: int, dtype: torch.dtype) -> dict[str, Any]:
-    """``gemv`` up to :data:`GEMV_MAX_M` rows (and always for fp32 activations: the w8a8 paths would quantise
-    them), else ``scaled_mm`` when N and K are multiples of 128 and this torch's ``_scaled_mm`` takes block
+    """:data:`FMA_DEFAULT` for one row, ``gemv`` up to :data:`GEMV_MAX_M` rows (and always for fp32 activations:
+    the w8a8 paths would quantise them), else ``scaled_mm`` when N and K are multiples of 128 and this torch's ``_scaled_mm`` takes block
     scales, else the Triton ``w8a8`` GEMM."""
+    if m == 1:
+        return dict(FMA_DEFAULT)
     if m <= GEMV_MAX_M or dtype == torch.float32:
         return {"impl": "gemv", **default_gemv_config(m, n, k)}
     if n % BLOCK == 0 and k % BLOCK == 0 and dtype == torch.bfloat16 and scaled_mm_block_supported():
@@ -403,13 +316,8 @@ def default_impl(m: int, n: int, k: int, dtype: torch.dtype) -> dict[str, Any]:
     return {"impl": "w8a8", **default_w8a8_config(m, n)}
 
 
-@functools.lru_cache(maxsize=None)
-def _device_name(index: int | None) -> str:
-    return torch.cuda.get_device_name(index).replace(" ", "_")
-
-
-def table_file_name(device_name: str) -> str:
-    return f"fp8_linear_{device_name}.json"
+def table_file_name(device: str) -> str:
+    return f"fp8_linear_{device}.json"
 
 
 def validate_entry(entry: dict[str, Any]) -> None:
@@ -432,37 +340,19 @@ def validate_entry(entry: dict[str, Any]) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def load_table(device_name: str) -> dict[tuple[int, int], tuple[tuple[int, dict[str, Any]], ...]]:
+def load_table(device: str) -> Table:
     """``{(N, K): sorted ((M, entry), ...)}`` from the measured table, or ``{}`` when there is none."""
-    path = CONFIG_DIR / table_file_name(device_name)
-    if not path.exists():
-        logger.info("no fp8 linear table %s; using the default choice per shape", path.name)
-        return {}
-    raw = json.loads(path.read_text())
-    out: dict[tuple[int, int], tuple[tuple[int, dict[str, Any]], ...]] = {}
-    for shape, per_m in raw.items():
-        if shape.startswith("_"):
-            continue
-        n, k = (int(v) for v in shape.split(","))
-        rows = []
-        for m, entry in per_m.items():
-            validate_entry(entry)
-            rows.append((int(m), entry))
-        out[(n, k)] = tuple(sorted(rows, key=lambda r: r[0]))
-    logger.info("fp8_linear: loaded choices for %d shapes from %s", len(out), path.name)
-    return out
+    return read_table(CONFIG_DIR / table_file_name(device), validate_entry, "fp8_linear")
 
 
 def select_impl(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
     """The table's entry for ``(N, K)`` at the nearest M (ties: the smaller), else :func:`default_impl`.
     A ``scaled_mm`` entry this torch cannot run, or fp32 activations, fall back to the default."""
-    rows = load_table(_device_name(device.index)).get((n, k)) if device.type == "cuda" else None
+    rows = load_table(device_name(device.index)).get((n, k)) if device.type == "cuda" else None
     # an FMA GEMV entry serves at most its BLOCK_M rows: more would stream the weights once per row tile
-    rows = [r for r in rows or () if r[1]["impl"] != "gemv_fma" or m <= r[1]["BLOCK_M"]]
-    if rows and dtype != torch.float32:
-        _, entry = min(rows, key=lambda r: (abs(r[0] - m), r[0]))
-        if entry["impl"] != "scaled_mm" or scaled_mm_block_supported():
-            return dict(entry)
+    entry = nearest_entry(rows, m) if dtype != torch.float32 else None
+    if entry is not None and (entry["impl"] != "scaled_mm" or scaled_mm_block_supported()):
+        return entry
     return default_impl(m, n, k, dtype)
 
 
@@ -481,42 +371,6 @@ def fp8_dot_acc(block_k: int) -> int:
     return min(FP8_DOT_ACC, block_k)
 
 
-def _k_split(cfg: dict[str, Any], out_shape: tuple[int, ...], out_dtype: torch.dtype, x: torch.Tensor,
-             w: torch.Tensor, s: torch.Tensor, min_k: int = 16) -> tuple[int, int, torch.Tensor]:
-    """A GEMV launch's ``BLOCK_K`` (at most K rounded up to a power of two, at least ``min_k``: the dot's
-    minimum), its K split (at most one per K tile) and its output: ``out_shape`` in ``out_dtype``, or with a
-    split the fp32 partial sums ``[split, *out_shape]`` the caller adds up."""
-    if w.stride(-1) != 1 or x.stride(-1) != 1 or s.stride(-1) != 1:
-        raise ValueError("the fp8 GEMVs need unit stride along K for x, the weight and its scales")
-    k = x.shape[-1]
-    bk = min(cfg["BLOCK_K"], max(min_k, triton.next_power_of_2(k)))
-    split = max(1, min(cfg["SPLIT_K"], triton.cdiv(k, bk)))
-    return bk, split, _split_output(out_shape, out_dtype, split, x.device)
-
-
-def _split_output(out_shape: tuple[int, ...], out_dtype: torch.dtype, split: int,
-                  device: torch.device) -> torch.Tensor:
-    """A launch's output: ``out_shape`` in ``out_dtype``, or with a K split the fp32 partial sums
-    ``[split, *out_shape]`` that :func:`split_sum` adds up."""
-    if split == 1:
-        return torch.empty(out_shape, device=device, dtype=out_dtype)
-    return torch.empty((split, *out_shape), device=device, dtype=torch.float32)
-
-
-def split_sum(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``partials [S, ...]`` fp32 (contiguous) summed over S into a new ``[...]`` tensor of ``out_dtype``
-    (:func:`_split_sum_kernel`; reference ``partials.sum(0).to(out_dtype)``)."""
-    if not partials.is_contiguous():
-        raise ValueError("split_sum takes the contiguous [split, ...] partials a K-split GEMV writes")
-    y = torch.empty(partials.shape[1:], device=partials.device, dtype=out_dtype)
-    r = y.numel()
-    if r:
-        block = 1024
-        _split_sum_kernel[(triton.cdiv(r, block),)](partials, y, r, SPLIT=partials.shape[0], BLOCK=block, num_warps=4,
-                                                    **pdl_kwargs(y.device))
-    return y
-
-
 def _gemv(x3: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None, cfg: dict[str, Any],
           out_dtype: torch.dtype) -> torch.Tensor:
     """x3 [M, G, K], w [G, N, K] fp8, s [G, nb, kb] → [M, G, N]."""
@@ -526,7 +380,7 @@ def _gemv(x3: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor
     a_fp8 = cfg.get("impl") == "gemv_w8a8" and x3.dtype != torch.float32  # fp32 is never quantised
     if a_fp8:
         cfg = {**cfg, "BLOCK_K": group_tile_k(k)}
-    bk, split, y = _k_split(cfg, (m, groups, n), out_dtype, x3, w, s, min_k=32 if a_fp8 else 16)
+    bk, split, y = k_split(cfg, (m, groups, n), out_dtype, x3, w, s, min_k=32 if a_fp8 else 16)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split, groups)
     _fp8_gemv_kernel[grid](
         x3, w, s, y, bias if bias is not None else s, m, n, k,
@@ -536,22 +390,6 @@ def _gemv(x3: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor
         EVEN_K=k % bk == 0, IEEE=x3.dtype == torch.float32, A_FP8=a_fp8, FP8_MAX_=FP8_MAX, MIN_AMAX_=MIN_AMAX,
         FP8_ACC=fp8_dot_acc(bk), SWAP_AB=swap_ab(cfg, a_fp8), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl_kwargs(x3.device))
-    return y if split == 1 else split_sum(y, out_dtype)
-
-
-def _gemv_fma(x2: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None, cfg: dict[str, Any],
-              out_dtype: torch.dtype) -> torch.Tensor:
-    """x2 [M, K], w [N, K] fp8, s [nb, kb] -> [M, N] (:func:`_fp8_gemv_fma_kernel`)."""
-    m, k = x2.shape
-    n = w.shape[0]
-    bm, bn = triton.next_power_of_2(cfg["BLOCK_M"]), cfg["BLOCK_N"]
-    bk, split, y = _k_split(cfg, (m, n), out_dtype, x2, w, s)
-    grid = (triton.cdiv(n, bn), split, triton.cdiv(m, bm))
-    _fp8_gemv_fma_kernel[grid](
-        x2, w, s, y, bias if bias is not None else s, m, n, k, x2.stride(0), w.stride(0), s.stride(0),
-        0 if split == 1 else y.stride(0), y.stride(-2), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SB=BLOCK,
-        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **pdl_kwargs(x2.device))
     return y if split == 1 else split_sum(y, out_dtype)
 
 
@@ -616,7 +454,7 @@ def w8a8_gemm(x8: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.
     # a K split serves few-tile shapes at decode sizes; a table entry measured there may be the nearest one for
     # a prefill, where the fp32 partials would take split x M x N x 4 bytes for nothing
     split = max(1, min(cfg.get("SPLIT_K", 1), triton.cdiv(k, BLOCK))) if m <= W8A8_SPLIT_MAX_M else 1
-    c = _split_output((m, n), out_dtype, split, x8.device)
+    c = split_output((m, n), out_dtype, split, x8.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split)
     _w8a8_gemm_kernel[grid](x8, xs, w, scale, c, bias if bias is not None else scale, m, n, k,
                             x8.stride(0), xs.stride(0), xs.stride(1), w.stride(0), scale.stride(0),
@@ -677,7 +515,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torc
     elif kind in ("gemv", "gemv_w8a8"):
         y = _gemv(x2.unsqueeze(1), w.unsqueeze(0), scale.unsqueeze(0), bias, choice, x.dtype).squeeze(1)
     elif kind == "gemv_fma":
-        y = _gemv_fma(x2, w, scale, bias, choice, x.dtype)
+        y = gemv_fma(x2, w, scale, bias, choice, x.dtype, BLOCK)
     elif kind == "scaled_mm":
         y = scaled_mm_linear(x2, w, scale, bias)
     else:

@@ -65,6 +65,7 @@ MOE_CHOICES = ("auto", "torch", "triton")
 INDEX_CHOICES = ("auto", "torch", "triton")
 MHC_CHOICES = ("auto", "torch", "triton")
 FP8_LINEAR_CHOICES = ("auto", "torch", "triton")
+GEMV_CHOICES = ("auto", "torch", "triton")
 KDA_STEP_CHOICES = ("auto", "torch", "triton")
 ROUTER_CHOICES = ("auto", "torch", "triton")
 FUSE_CHOICES = ("auto", "torch", "triton")
@@ -80,7 +81,8 @@ class BackendUnavailable(RuntimeError):
 def set_backends(kda: str | None = None, attn: str | None = None, decode_attn: str | None = None,
                  sampling: str | None = None, moe: str | None = None, index: str | None = None,
                  mhc: str | None = None, fp8_linear: str | None = None, kda_step: str | None = None,
-                 router: str | None = None, fuse: str | None = None, overlap: str | None = None) -> None:
+                 router: str | None = None, fuse: str | None = None, overlap: str | None = None,
+                 gemv: str | None = None) -> None:
     """Override the environment for this process (``None`` leaves a setting unchanged)."""
     for name, value, choices in (("kda", kda, KDA_CHOICES), ("attn", attn, ATTN_CHOICES),
                                  ("decode_attn", decode_attn, DECODE_ATTN_CHOICES),
@@ -89,7 +91,7 @@ def set_backends(kda: str | None = None, attn: str | None = None, decode_attn: s
                                  ("fp8_linear", fp8_linear, FP8_LINEAR_CHOICES),
                                  ("kda_step", kda_step, KDA_STEP_CHOICES),
                                  ("router", router, ROUTER_CHOICES), ("fuse", fuse, FUSE_CHOICES),
-                                 ("overlap", overlap, OVERLAP_CHOICES)):
+                                 ("overlap", overlap, OVERLAP_CHOICES), ("gemv", gemv, GEMV_CHOICES)):
         if value is not None:
             _validate(name, value, choices)
             _overrides[name] = value
@@ -255,6 +257,14 @@ def fp8_linear_backend(device: torch.device, dtype: torch.dtype | None = None) -
     """``"triton"`` (fp8 GEMV / GEMM kernels reading the fp8 weight and its scales) or ``"torch"`` (dequantise the
     weight per call, then ``F.linear``: the CPU path and the kernels' reference) for fp8-stored linears."""
     return _triton_or_torch("fp8_linear", FP8_LINEAR_CHOICES, device, dtype)
+
+
+def gemv_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """``"triton"`` (:func:`glm5_kernels.gemv.linear16`: the streaming GEMV where the GPU's measured table says it
+    beats cuBLAS at that shape and row count, cuBLAS elsewhere) or ``"torch"`` (``F.linear``) for linears stored
+    in the model dtype. ``auto``: triton for bf16 on CUDA; fp32 keeps cuBLAS, whose results the fp32 oracle tests
+    pin."""
+    return _triton_or_torch("gemv", GEMV_CHOICES, device, dtype, auto_dtypes=(torch.bfloat16,))
 
 
 def index_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:

@@ -5,7 +5,9 @@ Every projection of the text model (MLA, KDA, indexer, dense MLP, shared experts
 model is the weight's storage and the GEMM that reads it; that lives in a small method object the block never
 looks at (the shape of vLLM's ``LinearBase`` + ``quant_method``, and of nano-vllm's ``layers/linear.py``):
 
-* :class:`UnquantizedMethod` - the weight in the model dtype, ``F.linear``.
+* :class:`UnquantizedMethod` - the weight in the model dtype, ``F.linear``; on CUDA in bf16, for the shapes and row
+  counts where the GPU's measured table says so, :func:`glm5_kernels.gemv.linear16`'s streaming GEMV instead
+  (``gemv`` backend).
 * :class:`Fp8BlockMethod` - ``float8_e4m3fn`` weight + fp32 scales per 128 x 128 tile (the fp8 checkpoint's
   ``weight_scale_inv``, or made at load by online quantisation). On CUDA it runs
   :func:`glm5_kernels.fp8_linear.fp8_linear` (a Triton fp8 GEMV / small-M GEMM that dequantises in registers,
@@ -29,7 +31,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from glm5.layers.backends import fp8_linear_backend
+from glm5.layers.backends import fp8_linear_backend, gemv_backend
 from glm5_kernels.fp8_ref import BLOCK, FP8_DTYPE, SCALE_SUFFIX, block_scale_shape, dequantize_fp8_block, \
     fp8_head_linear_ref, fp8_linear_ref
 
@@ -82,6 +84,9 @@ class UnquantizedMethod(_StoredWeight):
         return self.weight.numel() * self.weight.element_size()
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if gemv_backend(x.device, x.dtype) == "triton":
+            from glm5_kernels.gemv import linear16
+            return linear16(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
