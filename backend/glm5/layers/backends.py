@@ -301,8 +301,8 @@ def fuse_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
 
 #: Rows up to which ``overlap`` auto forks: decode batches (up to 256 requests) and speculative verification
 #: (up to 64 requests x 4 rows). At these sizes the forked branches are latency-bound launches or weight streams
-#: that can run beside idle time; prefill chunks keep one stream. ``bench/overlap_ab.py`` measures the step
-#: both ways (docs/gpu.md).
+#: that can run beside idle time; prefill chunks keep one stream. ``bench/backend_ab.py --backend overlap``
+#: measures the step both ways (docs/gpu.md: forking won at every batch size measured on an H100).
 OVERLAP_MAX_ROWS = 256
 
 
