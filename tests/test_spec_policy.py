@@ -231,15 +231,23 @@ def test_probe_credit_does_not_pile_up_and_one_stall_does_not_stop_probing(real_
         SpecCostModel.load(tmp_path / "zero.json", real_cfg)
 
 
+def _funded(policy: AdaptiveK, batch: int) -> AdaptiveK:
+    """``policy`` after enough plain k = 0 steps at ``batch`` that its exploration credit covers a drain."""
+    while policy.credit_s < policy.drain_cost_s(batch):
+        policy.observe_time(policy.cost.round_s(batch, 0), batch, plain=True)
+    return policy
+
+
 def test_backlogs_are_kept_until_the_observed_acceptance_says_no_k_can_pay(tmp_path, real_cfg):
-    """keeps_mtp (drain a full backlog, or drop it): before any draft was verified the benefit of the doubt is
-    full acceptance, so where a k could pay at full acceptance the history is kept; once verified drafts show an
-    acceptance at which no k pays, even optimistically, backlogs are dropped; a high observed acceptance keeps
-    them; and where no k pays even at full acceptance nothing is kept from the start."""
+    """keeps_mtp (drain a full backlog, or drop it), with the exploration credit covering a drain: before any
+    draft was verified the benefit of the doubt is full acceptance, so where a k could pay at full acceptance the
+    history is kept; once verified drafts show an acceptance at which no k pays, even optimistically, backlogs
+    are dropped; a high observed acceptance keeps them; and where no k pays even at full acceptance nothing is
+    kept from the start."""
     # at batch 8 a draft adds 80 % of a plain step: k = 3 pays at full acceptance (4 tokens for 3.4x the cost of a
     # plain step) but no k pays at 0.8 per position (k = 1: 1.8 tokens for 1.8x, k = 3: 2.95 for 3.4x)
     cost = SpecCostModel.load(_table(tmp_path, 0.01, {1: 2.0, 8: 0.8, 64: 0.05}), real_cfg)
-    fresh = AdaptiveK(3, cost)
+    fresh = _funded(AdaptiveK(3, cost), 8)
     assert fresh.tracker.optimistic_rates() == [1.0, 1.0, 1.0]
     assert fresh.keeps_mtp(8) and fresh.can_pay(8)
     assert not fresh.keeps_mtp(1) and not fresh.can_pay(1)      # 4 tokens for 7x the cost: never pays
@@ -257,7 +265,7 @@ def test_backlogs_are_kept_until_the_observed_acceptance_says_no_k_can_pay(tmp_p
                     accepted += 1
                 results.append((3, accepted))
             policy.observe_step(results)
-        return policy
+        return _funded(policy, 8)
     low, high = observed(0.4, 20), observed(0.95, 20)
     assert max(low.tracker.optimistic_rates()) < 0.75
     assert not low.keeps_mtp(8)
@@ -265,10 +273,34 @@ def test_backlogs_are_kept_until_the_observed_acceptance_says_no_k_can_pay(tmp_p
     assert high.keeps_mtp(8)
     # a k = 1 probe measures the first position only; the later ones are capped by it (a deeper draft is not
     # taken to be accepted more often than a shallower one)
-    probe = AdaptiveK(3, cost)
+    probe = _funded(AdaptiveK(3, cost), 8)
     probe.observe_step([(1, 1)] * 6 + [(1, 0)] * 2)
     rates = probe.tracker.optimistic_rates()
     assert rates == pytest.approx([0.8, 0.8, 0.8])
     assert not probe.keeps_mtp(8)    # k = 3: 1 + 0.8 + 0.64 + 0.51 = 2.95 tokens for 3.4x the cost
     probe.observe_step([(1, 1)] * 8)
     assert probe.keeps_mtp(8)        # 14 of 16 probes accepted, 0.89 optimistic: k = 2 gives 2.68 tokens for 2.6x
+
+
+def test_drains_are_paid_from_the_exploration_credit(tmp_path, real_cfg):
+    """A drain step (the MTP layer ran, nothing drafted, no probe) takes its excess over a plain step off the
+    credit that also pays the probes: with the credit spent, full backlogs are dropped even where a k could pay
+    at full acceptance, until enough k = 0 time has refilled it."""
+    cost = SpecCostModel.load(_table(tmp_path, 0.01, {1: 2.0, 8: 0.8, 64: 0.05}), real_cfg)
+    policy = AdaptiveK(3, cost)
+    assert policy.can_pay(8, policy.tracker.optimistic_rates())
+    assert not policy.keeps_mtp(8)                  # no k = 0 time yet: nothing to pay a drain with
+    _funded(policy, 8)
+    assert policy.keeps_mtp(8)
+    assert policy.choose(8, may_probe=False) == 0   # off: the next step drafts nothing
+    plain = cost.round_s(8, 0)
+    policy.observe_time(plain + 3 * cost.round_s(8, 1), 8, plain=False)   # a drain: 3 k = 1 rounds beyond plain
+    assert policy.drains == 1 and policy.drain_spent_s == pytest.approx(3 * cost.round_s(8, 1))
+    assert policy.drain_cost_s(8) == pytest.approx(2.5 * cost.round_s(8, 1))   # smoothed from 2 rounds
+    assert not policy.keeps_mtp(8)
+    steps = 0
+    while not policy.keeps_mtp(8):
+        policy.observe_time(plain, 8, plain=True)
+        steps += 1
+    # the credit grows by explore_fraction of each plain step: the drain's 3 rounds took it below zero
+    assert steps * plain * policy.explore_fraction >= 3 * cost.round_s(8, 1)
