@@ -43,8 +43,8 @@ import triton
 import triton.language as tl
 
 from glm5_kernels.fp8_ref import BLOCK, FP8_DTYPE, FP8_MAX, MIN_AMAX, fp8_head_linear_ref
-from glm5_kernels.gemv import GEMV_KEYS, Table, device_name, gemv_fma, k_split, nearest_entry, read_table, \
-    split_output, split_sum, w_tile, x_tile
+from glm5_kernels.gemv import GEMV_KEYS, Table, check_positive, device_name, gemv_fma, k_split, nearest_entry, \
+    read_table, split_output, split_sum, w_tile, x_tile
 from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
 logger = logging.getLogger(__name__)
@@ -325,11 +325,7 @@ def validate_entry(entry: dict[str, Any]) -> None:
     impl = entry.get("impl")
     if impl not in IMPLS:
         raise ValueError(f"fp8_linear table entry {entry}: impl must be one of {IMPLS}")
-    keys = GEMV_KEYS if impl in GEMV_IMPLS else W8A8_KEYS if impl == "w8a8" else ()
-    for key in keys:
-        v = entry.get(key)
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"fp8_linear table entry {entry}: {key}={v!r} must be a positive int")
+    check_positive(entry, GEMV_KEYS if impl in GEMV_IMPLS else W8A8_KEYS if impl == "w8a8" else (), "fp8_linear")
     split = entry.get("SPLIT_K", 1)  # optional for w8a8 (entries written before it had a K split)
     if not isinstance(split, int) or split < 1:
         raise ValueError(f"fp8_linear table entry {entry}: SPLIT_K={split!r} must be a positive int")

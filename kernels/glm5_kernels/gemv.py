@@ -288,10 +288,15 @@ def validate_entry16(entry: dict[str, Any]) -> None:
     if impl not in IMPLS16:
         raise ValueError(f"gemv16 table entry {entry}: impl must be one of {IMPLS16}")
     if impl == "gemv_fma":
-        for key in GEMV_KEYS:
-            v = entry.get(key)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"gemv16 table entry {entry}: {key}={v!r} must be a positive int")
+        check_positive(entry, GEMV_KEYS, "gemv16")
+
+
+def check_positive(entry: dict[str, Any], keys: tuple[str, ...], what: str) -> None:
+    """Raise ValueError naming the first of ``keys`` whose value in a table entry is not a positive int."""
+    for key in keys:
+        v = entry.get(key)
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{what} table entry {entry}: {key}={v!r} must be a positive int")
 
 
 @functools.lru_cache(maxsize=None)
@@ -318,6 +323,6 @@ def linear16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None)
     return gemv16(x, w, bias, entry)
 
 
-__all__ = ["CONFIG_DIR", "DTYPES16", "GEMV_KEYS", "IMPLS16", "Table", "default_config16", "device_name", "gemv16",
-           "gemv_fma", "k_split", "linear16", "load_table16", "nearest_entry", "read_table", "select16", "split_output",
-           "split_sum", "table16_file_name", "validate_entry16", "w_tile", "x_tile"]
+__all__ = ["CONFIG_DIR", "DTYPES16", "GEMV_KEYS", "IMPLS16", "Table", "check_positive", "default_config16",
+           "device_name", "gemv16", "gemv_fma", "k_split", "linear16", "load_table16", "nearest_entry", "read_table",
+           "select16", "split_output", "split_sum", "table16_file_name", "validate_entry16", "w_tile", "x_tile"]
