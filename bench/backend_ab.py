@@ -22,14 +22,11 @@ from pdl_ab import _median, paired_steps, run_ab  # noqa: E402
 def ab_of(backend: str, modes: tuple[str, str]):
     """The A/B of one backend's two ``modes`` for :func:`pdl_ab.run_ab`."""
     def ab(s: Setup, batch: int, ctx: int, reps: int) -> dict:
-        from glm5.layers import backends
+        from glm5.layers.backends import backends_set
         graphs = []
-        try:
-            for mode in modes:
-                backends.set_backends(**{backend: mode})
+        for mode in modes:
+            with backends_set(**{backend: mode}):
                 graphs.append(captured_decode(s, batch, ctx))
-        finally:
-            backends.set_backends(**{backend: "auto"})
         steps, ratios = paired_steps(graphs[0], graphs[1], reps)
         a, b = modes
         return {"batch": batch, "ctx": ctx, "weight_dtype": s.weight_dtype, "reps": reps, "backend": backend,
@@ -48,9 +45,16 @@ def _add_args(ap) -> None:
 
 
 def _make_ab(args):
+    from glm5.layers.backends import backends_set
     modes = tuple(args.modes) if args.modes else DEFAULT_MODES.get(args.backend)
     if modes is None:
         raise SystemExit(f"--backend {args.backend}: give the two --modes to compare")
+    for mode in modes:   # a misspelt backend or mode fails here, before the Setup is built
+        try:
+            with backends_set(**{args.backend: mode}):
+                pass
+        except (TypeError, ValueError) as e:
+            raise SystemExit(f"--backend {args.backend} --modes {' '.join(modes)}: {e}") from None
     return ab_of(args.backend, modes)
 
 

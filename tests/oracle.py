@@ -84,5 +84,5 @@ class ScriptedK:
     def observe_step(self, results) -> None:
         pass
 
-    def observe_time(self, seconds: float, batch: int, plain: bool) -> None:
+    def observe_time(self, seconds: float, batch: int, plain: bool, mtp_only: bool = False) -> None:
         self.timed.append((batch, plain))

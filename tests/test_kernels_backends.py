@@ -41,6 +41,25 @@ def test_override_beats_env_and_bad_names_are_rejected(monkeypatch):
         backends.attn_backend(torch.device("cpu"))
 
 
+def test_backends_set_restores_what_was_there(monkeypatch):
+    """``backends_set`` overrides inside its block only: the environment decides again afterwards, an earlier
+    override comes back, and a bad choice raises without leaving anything behind."""
+    monkeypatch.setenv("GLM5_KDA_BACKEND", "fla")
+    cpu = torch.device("cpu")
+    with backends.backends_set(kda="torch"):
+        assert backends.kda_backend(cpu) == "torch"
+    with pytest.raises(backends.BackendUnavailable, match="fla"):   # the environment's choice again
+        backends.kda_backend(cpu)
+    backends.set_backends(attn="torch")
+    with backends.backends_set(attn="sdpa", kda="torch"):
+        assert backends._requested("attn", backends.ATTN_CHOICES) == "sdpa"
+    assert backends._overrides == {"attn": "torch"}
+    with pytest.raises(ValueError, match="kda_backend='triton'"):
+        with backends.backends_set(kda="triton"):
+            pass
+    assert backends._overrides == {"attn": "torch"}
+
+
 def test_triton_kernel_backends_follow_dtype():
     """The index / MoE / mHC kernels take bf16 and fp32: auto keeps fp16 on the torch path (no CUDA call is
     made for a device that only has to be named), an explicit triton choice fails fast naming the dtype."""

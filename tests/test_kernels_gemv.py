@@ -92,12 +92,26 @@ def test_table_choice_nearest_m_within_an_entrys_rows(fake_table):
     assert sel(1, 4096, 8192, cuda) is not sel(1, 4096, 8192, cuda)   # copies: a caller may not edit the table
 
 
-def test_linear16_falls_back_to_f_linear_without_an_entry(fake_table, monkeypatch):
-    calls = []
-    monkeypatch.setattr(fake_table, "gemv16", lambda x, w, b, cfg: calls.append(cfg) or x @ w.t())
-    x, w = torch.randn(1, 64), torch.randn(32, 64)
-    assert torch.equal(fake_table.linear16(x, w), torch.nn.functional.linear(x, w))   # CPU: no entry
-    assert not calls
+def test_linear16_takes_the_table_entry_or_f_linear(monkeypatch):
+    """``linear16`` runs the kernel with the entry ``select16`` gives for the shape and row count, and
+    ``F.linear`` where it gives none, for an fp32 weight, or where the weight or bias cannot be read as the
+    kernel reads them (a weight without unit stride along K, a strided bias)."""
+    pytest.importorskip("triton")
+    from glm5_kernels import gemv
+    calls, asked = [], []
+    monkeypatch.setattr(gemv, "select16", lambda m, n, k, dev: asked.append((m, n, k)) or (FMA if n == 32 else None))
+    monkeypatch.setattr(gemv, "gemv16", lambda x, w, b, cfg: calls.append(cfg) or torch.nn.functional.linear(x, w, b))
+    x = torch.randn(2, 3, 64).bfloat16()
+    w, w16 = torch.randn(32, 64).bfloat16(), torch.randn(16, 64).bfloat16()
+    gemv.linear16(x, w)
+    assert calls == [FMA] and asked == [(6, 32, 64)]               # rows of all leading dimensions
+    gemv.linear16(x, w16)
+    assert len(calls) == 1 and asked[-1] == (6, 16, 64)            # no entry: cuBLAS
+    strided_bias = torch.randn(64).bfloat16()[::2]
+    for args in ((x.float(), w.float()), (x, torch.randn(64, 32).bfloat16().t()), (x, w, strided_bias)):
+        y = gemv.linear16(*args)
+        assert len(calls) == 1 and torch.equal(y, torch.nn.functional.linear(*args))
+    assert len(asked) == 2                                         # never asked: the kernel could not read them
 
 
 def test_table_entries_are_validated(tmp_path):

@@ -205,8 +205,9 @@ def test_above_the_speculative_batch_cap_steps_decode_without_drafts(tiny_checkp
 
 
 def test_probe_credit_does_not_pile_up_and_one_stall_does_not_stop_probing(real_cfg, tmp_path):
-    """Time with speculation on earns no probe credit, and the credit never holds more than two probes, so a
-    policy that turns off after a long speculative stretch does not burst into back-to-back probes; one probe
+    """Time with speculation on earns no probe credit, and the credit never holds more than two of the dearer of
+    a probe and a drain, so a policy that turns off after a long speculative stretch does not burst into
+    back-to-back probes; one probe
     slowed by a stall (a first-call compilation, say) counts at most 8 k = 1 rounds, so probing resumes."""
     cost = SpecCostModel.load(_table(tmp_path, 0.01, {1: 0.8, 8: 0.4, 64: 0.05}), real_cfg)
     on = AdaptiveK(3, cost, probe_every=4, tracker=_tracker(0.95))
@@ -215,7 +216,7 @@ def test_probe_credit_does_not_pile_up_and_one_stall_does_not_stop_probing(real_
     assert on.elapsed_s == 0 and on.credit_s == 0
     policy = AdaptiveK(3, cost, probe_every=4, tracker=AcceptanceTracker(3, prior=0.2))
     _drive(policy, 100000, 1, plain_s=0.01, probe_step_s=0.01)   # probes that cost nothing: credit caps
-    assert policy.credit_s <= 2 * policy.probe_cost_s(1) + 1e-12
+    assert policy.credit_s <= 2 * max(policy.probe_cost_s(1), policy.drain_cost_s(1)) + 1e-12
     stalled = AdaptiveK(3, cost, probe_every=4, tracker=AcceptanceTracker(3, prior=0.2))
     picks, prev = [], 0
     for i in range(4000):
@@ -233,9 +234,11 @@ def test_probe_credit_does_not_pile_up_and_one_stall_does_not_stop_probing(real_
 
 def _funded(policy: AdaptiveK, batch: int) -> AdaptiveK:
     """``policy`` after enough plain k = 0 steps at ``batch`` that its exploration credit covers a drain."""
-    while policy.credit_s < policy.drain_cost_s(batch):
+    for _ in range(100_000):
+        if policy.credit_s >= policy.drain_cost_s(batch):
+            return policy
         policy.observe_time(policy.cost.round_s(batch, 0), batch, plain=True)
-    return policy
+    raise AssertionError(f"the credit never covers a drain: {policy.credit_s} < {policy.drain_cost_s(batch)}")
 
 
 def test_backlogs_are_kept_until_the_observed_acceptance_says_no_k_can_pay(tmp_path, real_cfg):
@@ -283,24 +286,31 @@ def test_backlogs_are_kept_until_the_observed_acceptance_says_no_k_can_pay(tmp_p
 
 
 def test_drains_are_paid_from_the_exploration_credit(tmp_path, real_cfg):
-    """A drain step (the MTP layer ran, nothing drafted, no probe) takes its excess over a plain step off the
-    credit that also pays the probes: with the credit spent, full backlogs are dropped even where a k could pay
-    at full acceptance, until enough k = 0 time has refilled it."""
+    """A drain step (the MTP layer ran, nothing verified or drafted, no probe) takes its excess over a plain step
+    off the credit that also pays the probes. The first drain runs on credit (nothing else would measure what a
+    drain costs); after it, full backlogs are dropped even where a k could pay at full acceptance, until enough
+    k = 0 time has refilled the credit. A verifying step (speculation switching off) is no drain."""
     cost = SpecCostModel.load(_table(tmp_path, 0.01, {1: 2.0, 8: 0.8, 64: 0.05}), real_cfg)
     policy = AdaptiveK(3, cost)
     assert policy.can_pay(8, policy.tracker.optimistic_rates())
-    assert not policy.keeps_mtp(8)                  # no k = 0 time yet: nothing to pay a drain with
-    _funded(policy, 8)
-    assert policy.keeps_mtp(8)
-    assert policy.choose(8, may_probe=False) == 0   # off: the next step drafts nothing
-    plain = cost.round_s(8, 0)
-    policy.observe_time(plain + 3 * cost.round_s(8, 1), 8, plain=False)   # a drain: 3 k = 1 rounds beyond plain
-    assert policy.drains == 1 and policy.drain_spent_s == pytest.approx(3 * cost.round_s(8, 1))
-    assert policy.drain_cost_s(8) == pytest.approx(2.5 * cost.round_s(8, 1))   # smoothed from 2 rounds
-    assert not policy.keeps_mtp(8)
+    assert policy.credit_s == 0 and policy.keeps_mtp(8)          # the first drain, on credit
+    assert policy.choose(8, may_probe=False) == 0                 # off: the next step drafts nothing
+    plain, round1 = cost.round_s(8, 0), cost.round_s(8, 1)
+    policy.observe_time(plain + 4 * round1, 8, plain=False)       # verified drafts: not a drain
+    assert policy.drains == 0 and policy.credit_s > 0
+    policy.observe_time(plain + 3 * round1, 8, plain=False, mtp_only=True)   # a drain: 3 rounds beyond plain
+    assert policy.drains == 1 and policy.drain_spent_s == pytest.approx(3 * round1)
+    assert policy.drain_cost_s(8) == pytest.approx(2.5 * round1)  # smoothed from 2 rounds
+    assert policy.credit_s < 0 and not policy.keeps_mtp(8)
     steps = 0
     while not policy.keeps_mtp(8):
         policy.observe_time(plain, 8, plain=True)
         steps += 1
-    # the credit grows by explore_fraction of each plain step: the drain's 3 rounds took it below zero
-    assert steps * plain * policy.explore_fraction >= 3 * cost.round_s(8, 1)
+    # the credit grows by explore_fraction of each k = 0 step: from below zero to one drain's worth
+    assert steps * plain * policy.explore_fraction >= policy.drain_cost_s(8)
+    # the credit can hold two drains even where a drain costs more than a probe
+    policy.observe_time(plain + 8 * round1, 8, plain=False, mtp_only=True)
+    assert policy.drain_cost_s(8) > policy.probe_cost_s(8)
+    for _ in range(100_000):
+        policy.observe_time(plain, 8, plain=True)
+    assert policy.credit_s == pytest.approx(2 * policy.drain_cost_s(8)) and policy.keeps_mtp(8)

@@ -233,8 +233,9 @@ def gemv16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
 def default_config16(m: int) -> dict[str, Any]:
     """Tiles for :func:`gemv16` without a table entry: the fastest on an H100 at M = 1 at the bench shapes
     (4-row strips, 2048-wide K tiles); more rows narrow the K tile so the fp32 accumulator
-    (``BLOCK_M · BLOCK_N · BLOCK_K`` / 128 threads) stays at 64 registers a thread."""
-    bm = triton.next_power_of_2(max(1, m))
+    (``BLOCK_M · BLOCK_N · BLOCK_K`` / 128 threads) stays at 64 registers a thread, and above 16 rows the rows
+    are split into 16-row tiles (each reads the weight again: a GEMM is the better choice there)."""
+    bm = min(16, triton.next_power_of_2(max(1, m)))
     return {"impl": "gemv_fma", "BLOCK_M": bm, "BLOCK_N": 4, "BLOCK_K": max(128, 2048 // bm), "SPLIT_K": 1,
             "num_warps": 4, "num_stages": 4}
 
@@ -317,7 +318,9 @@ def linear16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None)
     kernel is faster at this shape and row count, else cuBLAS."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
-    entry = select16(m, w.shape[0], k, x.device) if m and w.dtype in DTYPES16 and x.dtype == w.dtype else None
+    readable = (w.dtype in DTYPES16 and x.dtype == w.dtype and w.stride(-1) == 1
+                and (bias is None or bias.is_contiguous()))
+    entry = select16(m, w.shape[0], k, x.device) if m and readable else None
     if entry is None:
         return F.linear(x, w, bias)
     return gemv16(x, w, bias, entry)

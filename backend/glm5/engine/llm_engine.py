@@ -355,8 +355,9 @@ class LLMEngine:
             # step's time (first-call compilation included) says nothing about them
             self._mtp_ran = False
             if self._run_isolated(sched, outputs) and decode:
+                idle = not drafts and not self._k_next   # nothing verified this step, nothing drafted for the next
                 self.k_policy.observe_time(time.perf_counter() - t0, len(sched.chunks),
-                                           plain=not drafts and not self._k_next and not self._mtp_ran)
+                                           plain=idle and not self._mtp_ran, mtp_only=idle and self._mtp_ran)
         return outputs
 
     def _run_isolated(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> bool:
@@ -510,8 +511,8 @@ class LLMEngine:
 
     def _mtp_pays(self, batch: int) -> bool:
         """Whether the MTP layer's history is worth its catch-up at ``batch`` requests: the policy's
-        ``keeps_mtp`` (adaptive: some ``k > 0`` could beat ``k = 0`` at the optimistic acceptance), within the
-        batched speculation's cap. Where not, a full backlog is dropped instead of drained
+        ``keeps_mtp`` (adaptive: some ``k > 0`` could beat ``k = 0`` at the optimistic acceptance, and its
+        exploration credit pays for the drain), within the batched speculation's cap. Where not, a full backlog is dropped instead of drained
         (glm5.engine.spec_batched)."""
         if self.spec is not None and batch > self.spec.max_requests:
             return False

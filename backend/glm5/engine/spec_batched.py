@@ -18,8 +18,8 @@ up on all of them, up to ``DRAIN_ROWS`` rows per request per graph replay (while
 replay of several rows costs about what one row does), so a step without speculation costs what a plain
 decode step costs. A backlog of ``MAX_BACKLOG`` rows is caught up without drafting, if speculation could pay
 at the running batch size (``keep_mtp``, the policy's ``keeps_mtp``: some ``k > 0`` beats ``k = 0`` at the
-optimistic acceptance, full acceptance before any draft was verified); where none could, draining would be
-pure cost, so the backlog is dropped instead and the request drafts no more (``Sequence.mtp_off``: its MTP cache
+optimistic acceptance, full acceptance before any draft was verified, and the exploration credit that pays
+the probes pays for the drain); where not, draining would be pure cost, so the backlog is dropped instead and the request drafts no more (``Sequence.mtp_off``: its MTP cache
 has a gap). A mixed (prefill) step prepends a backlog in the per-request
 proposal.
 """

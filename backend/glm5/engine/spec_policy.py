@@ -248,9 +248,10 @@ class AdaptiveK:
 
     Keeping the MTP layer's history while speculation is off is exploration too: every ``MAX_BACKLOG`` steps a
     request's backlog is drained (replays of the MTP layer over it) so that a later probe or a return to
-    ``k > 0`` can draft. Drains are paid from the same credit (:meth:`keeps_mtp`), so probes and drains
-    together cost about ``explore_fraction`` of the time spent at ``k = 0``; a backlog the credit cannot pay
-    for is dropped (that request drafts no more; new requests start with the MTP layer following them)."""
+    ``k > 0`` can draft. Drains are paid from the same credit (:meth:`keeps_mtp`; the first runs on credit),
+    so probes and drains together cost about ``explore_fraction`` of the time spent at ``k = 0``; a backlog
+    the credit cannot pay for is dropped (that request drafts no more; new requests start with the MTP layer
+    following them). The credit holds up to two of the dearer of a probe and a drain."""
 
     MAX_COST_ROUNDS = 8.0
 
@@ -292,14 +293,16 @@ class AdaptiveK:
 
     def keeps_mtp(self, batch: int) -> bool:
         """Whether a request's full backlog is worth draining (the MTP layer keeps following it) rather than
-        dropping (it drafts no more): the exploration credit covers a drain (:meth:`drain_cost_s`) and some
-        ``k > 0`` beats ``k = 0`` at the optimistic acceptance (:meth:`AcceptanceTracker.optimistic_rates`).
-        Before any draft was verified that is full acceptance; once the observed drafts say that no ``k``
-        could pay even with the benefit of the doubt, the drains stop. Without the credit test a model on
-        which speculation pays only near full acceptance, with few probes to say otherwise, drained every
-        backlog: one drain per ``MAX_BACKLOG`` steps, 9 % of an H100's decode time at b1 on the trained tiny
-        checkpoint (2026-12-06)."""
-        return self.credit_s >= self.drain_cost_s(batch) and self.can_pay(batch, self.tracker.optimistic_rates())
+        dropping (it drafts no more): some ``k > 0`` beats ``k = 0`` at the optimistic acceptance
+        (:meth:`AcceptanceTracker.optimistic_rates`), and the exploration credit covers a drain
+        (:meth:`drain_cost_s`) or none has run yet. Before any draft was verified the optimistic acceptance is
+        full acceptance, and the first drain runs on credit (it also measures what a drain costs); once the
+        observed drafts say that no ``k`` could pay even with the benefit of the doubt, the drains stop.
+        Without the credit test a model on which speculation pays only near full acceptance, probed too rarely
+        to learn otherwise, drained every backlog (one drain per ``MAX_BACKLOG`` steps; the adaptive engine
+        decoded at 0.91x of one without MTP at b1 on an H100, trained tiny checkpoint, 2026-12-06)."""
+        funded = self.credit_s >= self.drain_cost_s(batch) or self.drains == 0
+        return funded and self.can_pay(batch, self.tracker.optimistic_rates())
 
     def drain_cost_s(self, batch: int) -> float:
         """What a drain step at ``batch`` requests is expected to cost beyond a plain step."""
@@ -334,9 +337,11 @@ class AdaptiveK:
     def observe_step(self, results: list[tuple[int, int]]) -> None:
         self.tracker.observe_step(results)
 
-    def observe_time(self, seconds: float, batch: int, plain: bool) -> None:
+    def observe_time(self, seconds: float, batch: int, plain: bool, mtp_only: bool = False) -> None:
         """One decode step's wall time at ``batch`` requests, after the step chose the next ``k``. ``plain``:
-        it verified and drafted nothing and ran no MTP pass (it calibrates what a plain step costs here)."""
+        it verified and drafted nothing and ran no MTP pass (it calibrates what a plain step costs here).
+        ``mtp_only``: it verified and drafted nothing but ran the MTP layer (a backlog drain, or a catch-up
+        of a request's last rows); outside a probe its time beyond a plain step is paid from the credit."""
         if batch <= 0:
             return
         expected_plain = self._plain_ratio * self.cost.round_s(batch, 0)
@@ -352,7 +357,7 @@ class AdaptiveK:
         elif plain:
             ratio = seconds / self.cost.round_s(batch, 0)
             self._plain_ratio = 0.9 * self._plain_ratio + 0.1 * ratio
-        elif self._off:  # no drafts, no probe, but the MTP layer ran: a backlog drain (or a catch-up)
+        elif mtp_only:
             round1 = self.cost.round_s(batch, 1)
             excess = max(0.0, seconds - expected_plain)
             rounds = min(excess / round1, self.MAX_COST_ROUNDS)
@@ -362,7 +367,8 @@ class AdaptiveK:
             self._drain_rounds = 0.5 * self._drain_rounds + 0.5 * rounds
         if self._off:
             self.elapsed_s += seconds
-            self.credit_s = min(self.credit_s + self.explore_fraction * seconds, 2.0 * self.probe_cost_s(batch))
+            cap = 2.0 * max(self.probe_cost_s(batch), self.drain_cost_s(batch))   # room for either to run
+            self.credit_s = min(self.credit_s + self.explore_fraction * seconds, cap)
 
 
 class FixedK:
@@ -382,7 +388,7 @@ class FixedK:
     def observe_step(self, results: list[tuple[int, int]]) -> None:
         self.tracker.observe_step(results)
 
-    def observe_time(self, seconds: float, batch: int, plain: bool) -> None:
+    def observe_time(self, seconds: float, batch: int, plain: bool, mtp_only: bool = False) -> None:
         pass
 
 

@@ -46,10 +46,12 @@ takes ``kda_step``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -100,6 +102,19 @@ def set_backends(kda: str | None = None, attn: str | None = None, decode_attn: s
 def reset_backends() -> None:
     """Drop every :func:`set_backends` override (tests)."""
     _overrides.clear()
+
+
+@contextlib.contextmanager
+def backends_set(**choices: str) -> Iterator[None]:
+    """:func:`set_backends` for the duration of a ``with`` block; the overrides before it (or their absence,
+    which leaves the environment in charge) come back afterwards."""
+    saved = dict(_overrides)
+    try:
+        set_backends(**choices)
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
 
 
 def _validate(name: str, value: str, choices: tuple[str, ...]) -> None:
