@@ -10,7 +10,8 @@
 #   kernels  bench/kernel_bench.py, bench/kernel_check.py (-> OUTDIR/kernels/check/) and, when flashinfer
 #            imports, bench/flashinfer_bench.py -> OUTDIR/kernels/
 #   fp8      bench/fp8_check.py --write-table (fp8 kernels vs references, GEMV/_scaled_mm/bf16 timings, the
-#            per-shape choice table) and bench/tune_fused_moe.py --fp8 -> OUTDIR/fp8/ and kernels/glm5_kernels/configs/
+#            per-shape choice table), bench/tune_fused_moe.py --fp8 and bench/gemv16_table.py --write-table (the
+#            bf16 streaming GEMV against cuBLAS) -> OUTDIR/fp8/ and kernels/glm5_kernels/configs/
 #   spec     bench/spec_bench.py --profile -> OUTDIR/spec/ (spec_results.json, cost_table.json for
 #            speculative_cost_table, profile_spec_*.txt, SPEC.md: the section rendered; docs/speculative.md)
 #   all      the five in that order; OUTDIR/device.txt always records the GPU, driver and versions
@@ -28,9 +29,9 @@
 #   trains one on the GPU), PYTEST_ARGS (extra pytest arguments, e.g. -k or -x), BENCH_ARGS (default
 #   --profile-prefill; e.g. --quick --skip-hf), TESTS_TIMEOUT / BENCH_TIMEOUT / KERNELS_TIMEOUT /
 #   SPEC_TIMEOUT / CHECK_TIMEOUT (kernel_check.py) in seconds (defaults 1200 / 900 / 300 / 600 / 480),
-#   FP8_TIMEOUT (default 600; fp8_check --budget-s 240 + the MoE tuner's 150 s).
+#   FP8_TIMEOUT (default 600 per tool; fp8_check --budget-s 240, the MoE tuner's 150 s, gemv16_table's 120 s).
 set -uo pipefail
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 
 STAGE=${1:-all}
 case "$STAGE" in tests|bench|kernels|fp8|spec|all) ;; *) echo "unknown stage '$STAGE': use tests, bench, kernels, fp8, spec or all" >&2; exit 2;; esac
@@ -149,7 +150,11 @@ run_fp8() {
   sed -n '/^checks:/,$p' "$OUT/fp8/fp8_check.stdout" | cut -c1-200
   timeout "${FP8_TIMEOUT:-600}" "$PY" bench/tune_fused_moe.py --fp8 --budget-s 150 > "$OUT/fp8/tune_fused_moe_fp8.log" 2>&1 || rc=1
   tail -18 "$OUT/fp8/tune_fused_moe_fp8.log" | cut -c1-200
-  cp kernels/glm5_kernels/configs/fp8_linear_*.json kernels/glm5_kernels/configs/fused_moe_*fp8w*.json "$OUT/fp8/" 2>/dev/null
+  timeout "${FP8_TIMEOUT:-600}" "$PY" bench/gemv16_table.py --out "$OUT/fp8/gemv16" --budget-s 120 --write-table \
+    > "$OUT/fp8/gemv16.stdout" 2>&1 || rc=1
+  tail -45 "$OUT/fp8/gemv16.stdout" | cut -c1-200
+  cp kernels/glm5_kernels/configs/fp8_linear_*.json kernels/glm5_kernels/configs/fused_moe_*fp8w*.json \
+    kernels/glm5_kernels/configs/gemv16_*.json "$OUT/fp8/" 2>/dev/null
   return $rc
 }
 
