@@ -31,6 +31,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "kernels"), str(ROOT / "backend")]
 from fp8_check import SHAPES, merge_tables  # noqa: E402
+from kernel_bench import copy_bw  # noqa: E402
 from glm5_kernels import gemv  # noqa: E402
 
 LM_HEAD = ("lm_head", 154880, 4096)
@@ -66,13 +67,6 @@ def graph_us(fns: list[Callable[[], Any]], rounds: int = 10) -> float:
         torch.cuda.synchronize()
         times.append(e0.elapsed_time(e1) * 1e3 / (rounds * len(fns)))
     return sorted(times)[len(times) // 2]
-
-
-def copy_tbps() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    us = graph_us([lambda: b.copy_(a)], rounds=3)
-    return 2 * a.numel() / us / 1e6
 
 
 def candidates(m: int) -> list[dict[str, Any]]:
@@ -147,7 +141,7 @@ def main() -> int:
     log = jsonl_logger(args.out / "gemv16.log")
     res: dict[str, Any] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                           "command": " ".join(sys.argv), "copy_TBps": copy_tbps(), "rows": []}
+                           "command": " ".join(sys.argv), "copy_TBps": copy_bw() / 1e12, "rows": []}
     ms = [int(v) for v in args.ms.split(",") if v]
     for name, n, k in [*SHAPES, LM_HEAD]:
         if time.monotonic() - t0 > args.budget_s:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,13 +42,12 @@ import triton
 import triton.language as tl
 
 from glm5_kernels.fp8_ref import BLOCK, FP8_DTYPE, FP8_MAX, MIN_AMAX, fp8_head_linear_ref
-from glm5_kernels.gemv import GEMV_KEYS, Table, check_positive, device_name, gemv_fma, k_split, nearest_entry, \
-    read_table, split_output, split_sum, w_tile, x_tile
+from glm5_kernels.gemv import CONFIG_DIR, GEMV_KEYS, Table, check_positive, device_name, gemv_fma, k_split, \
+    nearest_entry, read_table, split_output, split_sum, w_tile, x_tile
 from glm5_kernels.pdl import pdl_enter, pdl_kwargs
 
 logger = logging.getLogger(__name__)
 
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 IMPLS = ("gemv", "gemv_fma", "gemv_w8a8", "scaled_mm", "w8a8")
 #: The GEMV implementations (tile keys GEMV_KEYS).
 GEMV_IMPLS = ("gemv", "gemv_fma", "gemv_w8a8")
@@ -305,8 +303,8 @@ def default_w8a8_config(m: int, n: int) -> dict[str, Any]:
 
 def default_impl(m: int, n: int, k: int, dtype: torch.dtype) -> dict[str, Any]:
     """:data:`FMA_DEFAULT` for one row, ``gemv`` up to :data:`GEMV_MAX_M` rows (and always for fp32 activations:
-    the w8a8 paths would quantise them), else ``scaled_mm`` when N and K are multiples of 128 and this torch's ``_scaled_mm`` takes block
-    scales, else the Triton ``w8a8`` GEMM."""
+    the w8a8 paths would quantise them), else ``scaled_mm`` when N and K are multiples of 128 and this torch's
+    ``_scaled_mm`` takes block scales, else the Triton ``w8a8`` GEMM."""
     if m == 1:
         return dict(FMA_DEFAULT)
     if m <= GEMV_MAX_M or dtype == torch.float32:

@@ -512,8 +512,8 @@ class LLMEngine:
     def _mtp_pays(self, batch: int) -> bool:
         """Whether the MTP layer's history is worth its catch-up at ``batch`` requests: the policy's
         ``keeps_mtp`` (adaptive: some ``k > 0`` could beat ``k = 0`` at the optimistic acceptance, and its
-        exploration credit pays for the drain), within the batched speculation's cap. Where not, a full backlog is dropped instead of drained
-        (glm5.engine.spec_batched)."""
+        exploration credit pays for the drain), within the batched speculation's cap. Where not, a full backlog
+        is dropped instead of drained (glm5.engine.spec_batched)."""
         if self.spec is not None and batch > self.spec.max_requests:
             return False
         return self.k_policy.keeps_mtp(batch)

@@ -19,9 +19,9 @@ replay of several rows costs about what one row does), so a step without specula
 decode step costs. A backlog of ``MAX_BACKLOG`` rows is caught up without drafting, if speculation could pay
 at the running batch size (``keep_mtp``, the policy's ``keeps_mtp``: some ``k > 0`` beats ``k = 0`` at the
 optimistic acceptance, full acceptance before any draft was verified, and the exploration credit that pays
-the probes pays for the drain); where not, draining would be pure cost, so the backlog is dropped instead and the request drafts no more (``Sequence.mtp_off``: its MTP cache
-has a gap). A mixed (prefill) step prepends a backlog in the per-request
-proposal.
+the probes pays for the drain); where not, draining would be pure cost, so the backlog is dropped instead and
+the request drafts no more (``Sequence.mtp_off``: its MTP cache has a gap). A mixed (prefill) step prepends a
+backlog in the per-request proposal.
 """
 
 from __future__ import annotations

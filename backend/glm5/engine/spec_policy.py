@@ -350,25 +350,29 @@ class AdaptiveK:
             self._probe_steps -= 1
             if not self._probe_steps:
                 self.probe_spent_s += self._probe_acc
-                round1 = self.cost.round_s(self._probe_batch, 1)
-                rounds = min(self._probe_acc / round1, self.MAX_COST_ROUNDS)   # a stall is not the probe's
-                self.credit_s -= rounds * round1
+                rounds = self._charge(self._probe_acc, self._probe_batch)
                 self._cost_rounds = 0.5 * self._cost_rounds + 0.5 * rounds if self.probes > 1 else rounds
         elif plain:
             ratio = seconds / self.cost.round_s(batch, 0)
             self._plain_ratio = 0.9 * self._plain_ratio + 0.1 * ratio
         elif mtp_only:
-            round1 = self.cost.round_s(batch, 1)
             excess = max(0.0, seconds - expected_plain)
-            rounds = min(excess / round1, self.MAX_COST_ROUNDS)
             self.drains += 1
             self.drain_spent_s += excess
-            self.credit_s -= rounds * round1
-            self._drain_rounds = 0.5 * self._drain_rounds + 0.5 * rounds
+            self._drain_rounds = 0.5 * self._drain_rounds + 0.5 * self._charge(excess, batch)
         if self._off:
             self.elapsed_s += seconds
             cap = 2.0 * max(self.probe_cost_s(batch), self.drain_cost_s(batch))   # room for either to run
             self.credit_s = min(self.credit_s + self.explore_fraction * seconds, cap)
+
+    def _charge(self, excess_s: float, batch: int) -> float:
+        """Take ``excess_s`` (a probe's or a drain's time beyond plain steps at ``batch`` requests) off the
+        credit, in ``k = 1`` rounds of the cost model clipped to :data:`MAX_COST_ROUNDS` (a stall, a first-call
+        compilation say, is not the exploration's); returns the rounds charged."""
+        round1 = self.cost.round_s(batch, 1)
+        rounds = min(excess_s / round1, self.MAX_COST_ROUNDS)
+        self.credit_s -= rounds * round1
+        return rounds
 
 
 class FixedK:
