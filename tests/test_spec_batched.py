@@ -16,6 +16,7 @@ import torch
 
 from glm5.config import ModelConfig
 from glm5.engine.spec_batched import BatchedSpeculation, MTPBacklog, take_backlogs
+from glm5.layers.batch import HostCopy
 from glm5.layers.speculative import kda_state_bytes, per_row_state_bytes, verify_buffer_bytes
 from glm5.sampling_params import SamplingParams
 from oracle import ScriptedK, engine, greedy, hf_greedy, make_pair, random_prompt
@@ -38,11 +39,21 @@ def _force_drafts(monkeypatch, ref: dict[str, list[int]], pattern):
     def propose(self, live, res, ensure_blocks, **kw):
         orig(self, live, res, ensure_blocks, **kw)
         calls["n"] += 1
+        forced = []
         for _, seq, want in live:
             cont = ref[seq.request_id][len(seq.output_token_ids):]
             right = min(pattern(seq.request_id, calls["n"]), want, len(cont))
             drafts = cont[:right] + [(t + 1) % VOCAB for t in cont[right:want]]
-            seq.draft_tokens = drafts[:want]
+            forced.append(drafts[:want])
+        width = max(map(len, forced), default=0)
+        # odd rounds: one batched proposal the verification reads on the device (as propose leaves it);
+        # even rounds: host lists (as a mixed step's per-request proposal leaves them)
+        batched = HostCopy(torch.tensor([d + [VOCAB - 1] * (width - len(d)) for d in forced]))
+        for row, ((_, seq, _), drafts) in enumerate(zip(live, forced)):
+            if calls["n"] % 2:
+                seq.set_pending_drafts(batched, row, len(drafts))
+            else:
+                seq.draft_tokens = drafts
     monkeypatch.setattr(BatchedSpeculation, "propose", propose)
     return calls
 
@@ -387,3 +398,42 @@ def test_speculative_steps_copy_host_lists_without_blocking(pair, monkeypatch):
     assert torch.equal(host_to_device([3, 1, 2], "cpu"), torch.tensor([3, 1, 2]))
     assert host_to_device([0.5], "cpu", torch.float32).dtype == torch.float32
     assert host_to_device(torch.arange(3, dtype=torch.int32), "cpu").dtype == torch.int32
+
+
+def test_verification_reads_the_drafts_on_the_device_without_waiting_for_them(pair, monkeypatch):
+    """A decode round's drafts stay on the device: the next verification is staged and launched before the
+    host reads them (``HostCopy.tolist`` waits for the draft passes on CUDA), and gives the tokens that host
+    drafts give (greedy k = 3 equals k = 0 with the MTP layer's own drafts)."""
+    from glm5.engine.spec_forwards import SpecForwards
+
+    ckpt, _ = pair
+    prompts = [random_prompt(n, VOCAB, seed=800 + n) for n in (4, 21, 33)]
+    ref = [o.token_ids for o in engine(ckpt, decode_path="batched").generate(prompts, greedy(12))]
+    events = []   # ("verify", id of the proposal's HostCopy) / ("read", id)
+    orig_verify, orig_tolist = BatchedSpeculation.verify, HostCopy.tolist
+    orig_fwd = SpecForwards.verify
+
+    def verify(self, sched):
+        pending = sched.chunks[0].seq.pending_drafts
+        events.append(("round", id(pending[0]) if pending else None))
+        return orig_verify(self, sched)
+
+    def fwd_verify(self, rows, t, padded, drafts=None):
+        events.append(("launch", drafts is not None))
+        return orig_fwd(self, rows, t, padded, drafts)
+
+    def tolist(self):
+        events.append(("read", id(self)))
+        return orig_tolist(self)
+
+    monkeypatch.setattr(BatchedSpeculation, "verify", verify)
+    monkeypatch.setattr(SpecForwards, "verify", fwd_verify)
+    monkeypatch.setattr(HostCopy, "tolist", tolist)
+    eng = engine(ckpt, decode_path="batched", num_speculative_tokens=3)
+    assert [o.token_ids for o in eng.generate(prompts, greedy(12))] == ref
+    rounds = [i for i, e in enumerate(events) if e[0] == "round" and e[1] is not None]
+    assert len(rounds) >= 3, events
+    for i in rounds:   # the proposal's copy is read only after the verification that uses it was launched
+        launch = events.index(("launch", True), i)
+        first_read = min((j for j, e in enumerate(events) if e == ("read", events[i][1])), default=len(events))
+        assert launch < first_read, events

@@ -146,7 +146,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             pending = seq.num_tokens - seq.num_computed_tokens
-            drafts = len(seq.draft_tokens) if pending == 1 else 0
+            drafts = seq.num_draft_tokens if pending == 1 else 0
             drafts = min(drafts, budget - 1)
             n = self._chunk(seq, pending, budget) + drafts
             need = self._blocks_needed(seq, n)

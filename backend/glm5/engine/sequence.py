@@ -74,8 +74,10 @@ class Sequence:
     prompt_logprobs: list[dict | None] = field(default_factory=list)
     # params.bad_words as token sequences (tokenized at admission; glm5.sampler.bad_word_token_ids)
     bad_words_token_ids: list[list[int]] | None = None
-    # speculative decoding: drafts proposed for the next step and the distributions they came from
-    draft_tokens: list[int] = field(default_factory=list)
+    # speculative decoding: drafts proposed for the next step (``draft_tokens``, below: kept as a list, or as a
+    # row of a batched proposal still on its way to the host) and the distributions they came from
+    _draft_list: list[int] = field(default_factory=list, repr=False)
+    _draft_pending: tuple | None = field(default=None, repr=False)   # (HostCopy, row, count)
     draft_probs: torch.Tensor | None = None
     spec_stats: object | None = None
     # prefix caching (glm5.engine.kv_cache_manager)
@@ -92,6 +94,35 @@ class Sequence:
     # the MTP layer stopped following this request: its backlog filled while speculation could not pay at the
     # running batch size and was dropped, so its MTP cache has a gap and it drafts no more (until preempted)
     mtp_off: bool = False
+
+    @property
+    def draft_tokens(self) -> list[int]:
+        """The drafts proposed for the next step. Reading them waits for a pending proposal's copy to the host
+        (:meth:`set_pending_drafts`); ``num_draft_tokens`` and ``pending_drafts`` do not."""
+        if self._draft_pending is not None:
+            copy, row, count = self._draft_pending
+            self._draft_list = copy.tolist()[row][:count]
+            self._draft_pending = None
+        return self._draft_list
+
+    @draft_tokens.setter
+    def draft_tokens(self, tokens: list[int]) -> None:
+        self._draft_list, self._draft_pending = tokens, None
+
+    def set_pending_drafts(self, copy, row: int, count: int) -> None:
+        """The first ``count`` values of row ``row`` of ``copy`` (a :class:`~glm5.layers.batch.HostCopy` of a
+        batched proposal) are this request's drafts: the next verification reads them on the device, and the
+        host waits for them only where it reads ``draft_tokens``."""
+        self._draft_list, self._draft_pending = [], (copy, row, count)
+
+    @property
+    def pending_drafts(self) -> tuple | None:
+        """``(HostCopy, row)`` while the drafts are a row of a batched proposal not read on the host yet."""
+        return None if self._draft_pending is None else self._draft_pending[:2]
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self._draft_pending[2] if self._draft_pending is not None else len(self._draft_list)
 
     @property
     def num_tokens(self) -> int:

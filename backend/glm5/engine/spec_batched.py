@@ -10,7 +10,10 @@ A step whose every request decodes one token (plus its drafts) runs as:
 3. **commit** the accepted prefix (:mod:`glm5.layers.speculative`: no per-row state copies);
 4. one host sync for the emitted tokens; the engine appends them (stop strings, max_tokens);
 5. **propose** — the MTP layer catches up on the accepted rows and drafts the next step's tokens
-   (``k_next − 1`` more one-row steps, the first step's index choice reused); one sync for the drafts.
+   (``k_next − 1`` more one-row steps, the first step's index choice reused). The drafts stay on the device
+   (:class:`~glm5.layers.batch.HostCopy` copies them to the host behind an event): the next verification
+   reads them there, so the host schedules and stages it while the GPU still runs the draft passes, and
+   waits for the host copy only where it reads them (acceptance, queued behind the verification).
 
 When the next step drafts nothing (the adaptive policy chose ``k = 0``) the MTP layer does not run: the
 target's hidden rows wait in the request's backlog (:class:`MTPBacklog`) and the next drafting step catches
@@ -37,7 +40,7 @@ from glm5.engine.scheduler import SchedulerOutput
 from glm5.engine.sequence import Sequence
 from glm5.engine.spec_forwards import SpecForwards, SpecGraphs
 from glm5.engine.spec_sampling import SALT_DRAFT, accept_greedy, accept_sampled, race
-from glm5.layers.batch import host_to_device
+from glm5.layers.batch import HostCopy, host_to_device
 from glm5.layers.speculative import VerifyBuffers
 from glm5.sampler import Sampler
 
@@ -205,15 +208,17 @@ class BatchedSpeculation:
         t = k + 1
         rows = DecodeRows([], [], [], [])
         firsts = []
+        on_device = self._device_drafts(chunks, k)
         for c in chunks:
             s, lo = c.seq, c.seq.num_computed_tokens
-            rows.tokens.extend(s.tokens(lo, lo + 1) + s.draft_tokens[: c.num_drafts] + [0] * (k - c.num_drafts))
+            drafts = [0] * k if on_device is not None else s.draft_tokens[: c.num_drafts] + [0] * (k - c.num_drafts)
+            rows.tokens.extend(s.tokens(lo, lo + 1) + drafts)
             rows.positions.extend(range(lo, lo + t))
             rows.state_slots.extend([s.state_slot] * t)
             rows.block_tables.extend([s.block_table] * t)
             firsts.append(lo)
         nb = self._bucket(n)
-        batch, out = self.fwd.verify(rows, t, nb)
+        batch, out = self.fwd.verify(rows, t, nb, drafts=on_device)
         logits = out.logits[: n * t].view(n, t, -1)
         hidden = out.hidden[: n * t].clone()
         emitted, accepted, lps = self._accept(chunks, logits, k)
@@ -225,6 +230,24 @@ class BatchedSpeculation:
         tokens = [host[i * t: i * t + acc[i] + 1] for i in range(n)]
         return VerifyResult(tokens=tokens, logprobs=lps, drafts=[c.num_drafts for c in chunks], accepted=acc,
                             first_positions=firsts, hidden=hidden, rows_per_seq=t)
+
+    @staticmethod
+    def _device_drafts(chunks, k: int) -> torch.Tensor | None:
+        """``[n, k]`` drafts of the chunks' requests still on the device, when all of them come from one
+        proposal that the host has not read (the usual decode round): the verification then starts without
+        waiting for the draft passes. Columns past a request's ``num_drafts`` hold values it never accepts.
+        None otherwise: the caller writes the host's drafts into the rows."""
+        pending = [c.seq.pending_drafts for c in chunks]
+        if pending[0] is None:
+            return None
+        copy = pending[0][0]
+        if any(p is None or p[0] is not copy for p in pending):
+            return None
+        dev = copy.device_tensor
+        idx = [p[1] for p in pending]
+        if idx != list(range(dev.shape[0])):
+            dev = dev.index_select(0, host_to_device(idx, dev.device))
+        return dev[:, :k]
 
     def _plain(self, sched: SchedulerOutput) -> VerifyResult:
         """No request has drafts: the ordinary batched decode step (decode graphs) and sampler."""
@@ -438,9 +461,9 @@ class BatchedSpeculation:
             probs.append(q)
         if snapshot is not None:  # draft rows sit past the accepted tokens: put the MTP tail back
             tail.index_copy_(0, slots, snapshot)
-        host = torch.stack(drafts, dim=1).tolist()  # the proposal's one sync
+        copy = HostCopy(torch.stack(drafts, dim=1))  # read by the next verification on the device
         for i, s in enumerate(seqs):
-            s.draft_tokens = host[i][: want[i]]
+            s.set_pending_drafts(copy, i, want[i])
             s.draft_probs = None if probs[0][i] is None or not want[i] else \
                 torch.stack([probs[j][i] for j in range(want[i])])
 

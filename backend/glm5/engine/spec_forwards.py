@@ -48,9 +48,16 @@ class SpecForwards:
         self.scores_in = torch.zeros(reqs, max_pools, device=dev, dtype=torch.float32)
 
     # ------------------------------------------------------------------ staging (shared with the graphs)
-    def _stage_verify(self, rows: DecodeRows, t: int, padded_requests: int) -> ForwardBatch:
+    def _stage_verify(self, rows: DecodeRows, t: int, padded_requests: int,
+                      drafts: torch.Tensor | None = None) -> ForwardBatch:
+        """``drafts [n, t - 1]`` (device): the drafts of the ``n`` requests, written over the rows' draft tokens
+        (the host's rows then hold placeholders), so staging need not wait for the draft passes."""
         self.buffers.check(padded_requests, t)
-        return self.stager.stage(rows, padded_requests * t, self.prepare, rows_per_seq=t, verify=self.buffers)
+        batch = self.stager.stage(rows, padded_requests * t, self.prepare, rows_per_seq=t, verify=self.buffers)
+        if drafts is not None:
+            n = drafts.shape[0]
+            batch.input_ids[: n * t].view(n, t)[:, 1:].copy_(drafts)
+        return batch
 
     def _stage_mtp(self, rows: DecodeRows, hidden: torch.Tensor, logits_rows: list[int], padded_rows: int,
                    draft: bool, tokens: torch.Tensor | None) -> ForwardBatch:
@@ -66,8 +73,9 @@ class SpecForwards:
         return batch
 
     # ------------------------------------------------------------------ passes
-    def verify(self, rows: DecodeRows, t: int, padded_requests: int) -> tuple[ForwardBatch, ModelOutput]:
-        batch = self._stage_verify(rows, t, padded_requests)
+    def verify(self, rows: DecodeRows, t: int, padded_requests: int,
+               drafts: torch.Tensor | None = None) -> tuple[ForwardBatch, ModelOutput]:
+        batch = self._stage_verify(rows, t, padded_requests, drafts)
         return batch, self.model.forward(batch, self.cache)
 
     def commit(self, batch: ForwardBatch, n_valid: torch.Tensor) -> None:
@@ -146,11 +154,12 @@ class SpecGraphs(SpecForwards):
             self.pool = graph.pool()
         self.graphs[key] = (graph, out)
 
-    def verify(self, rows: DecodeRows, t: int, padded_requests: int) -> tuple[ForwardBatch, ModelOutput]:
+    def verify(self, rows: DecodeRows, t: int, padded_requests: int,
+               drafts: torch.Tensor | None = None) -> tuple[ForwardBatch, ModelOutput]:
         key = ("verify", padded_requests, t)
         if key not in self.graphs:
-            return super().verify(rows, t, padded_requests)
-        batch = self._stage_verify(rows, t, padded_requests)
+            return super().verify(rows, t, padded_requests, drafts)
+        batch = self._stage_verify(rows, t, padded_requests, drafts)
         graph, out = self.graphs[key]
         graph.replay()
         return batch, out

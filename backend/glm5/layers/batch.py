@@ -33,6 +33,34 @@ def host_to_device(values: list | torch.Tensor, device: torch.device | str,
     return host.pin_memory().to(dev, non_blocking=True)
 
 
+class HostCopy:
+    """A device tensor's values on their way to the host, started without waiting for the GPU.
+
+    ``tensor.tolist()`` on a CUDA tensor returns only after every kernel queued before it has run, so the host
+    cannot prepare the next launch while the GPU works. Here the values go into pinned memory asynchronously
+    behind an event; :meth:`tolist` waits for that event only (once), and the device tensor stays available
+    (``device_tensor``) to consumers on the GPU that need no host copy at all."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.device_tensor = tensor
+        self._event = None
+        self._list: list | None = None
+        if tensor.is_cuda:
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensor
+
+    def tolist(self) -> list:
+        if self._list is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._list = self._host.tolist()
+        return self._list
+
+
 @dataclass
 class SeqChunk:
     """One request's share of the packed batch."""
