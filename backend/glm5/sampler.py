@@ -82,6 +82,13 @@ class TokenLogprobs:
     rank: int
     top: list[tuple[int, float]]
 
+    @staticmethod
+    def as_dict(lp: "TokenLogprobs | None") -> dict | None:
+        """The form a request output carries (``None`` stays ``None``: the row asked for no logprobs)."""
+        if lp is None:
+            return None
+        return {"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank, "top": [list(t) for t in lp.top]}
+
 
 @dataclass
 class SamplerOutput:

@@ -71,12 +71,6 @@ class _RequestState:
     prompt_logprobs_sent: bool = False
 
 
-def _logprob_dict(lp: TokenLogprobs | None) -> dict | None:
-    if lp is None:
-        return None
-    return {"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank, "top": [list(t) for t in lp.top]}
-
-
 class LLMEngine:
     def __init__(self, args: EngineArgs, weights: dict[str, torch.Tensor] | None = None):
         from glm5.weights import load_weights
@@ -454,7 +448,7 @@ class LLMEngine:
                 bad_words_token_ids=[s.bad_words_token_ids for s in seqs])
             tokens = result.token_ids.tolist()
             for k, (ci, _) in enumerate(plain):
-                new_tokens[ci] = ([tokens[k]], [_logprob_dict(result.logprobs[k])])
+                new_tokens[ci] = ([tokens[k]], [TokenLogprobs.as_dict(result.logprobs[k])])
         for ci, row, n in sample_idx:
             if n > 1:
                 new_tokens[ci] = (self._verify(sched.chunks[ci], batch, model_out.logits[row:row + n]), [])
@@ -540,9 +534,9 @@ class LLMEngine:
                 live.append((i, seq))
         self.k_policy.observe_step(observed)
         self._k_next = self._choose_k(len(live))
+        wants = [(i, s, self._num_drafts(s)) for i, s in live] if self._k_next else [(i, s, 0) for i, s in live]
         self._finish_step(sched, finished, trimmed, lambda: live and self.spec.propose(
-            [(i, s, self._num_drafts(s)) for i, s in live], res, self.scheduler.ensure_blocks,
-            keep_mtp=self._mtp_pays(len(live))))
+            wants, res, self.scheduler.ensure_blocks, keep_mtp=self._mtp_pays(len(live))))
 
     def _verify(self, chunk, batch, logits: torch.Tensor) -> list[int]:
         """Accept drafts of a verification chunk (per-request path) and commit its states to the accepted rows."""

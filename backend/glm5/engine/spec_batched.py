@@ -42,7 +42,7 @@ from glm5.engine.spec_forwards import SpecForwards, SpecGraphs
 from glm5.engine.spec_sampling import SALT_DRAFT, accept_greedy, accept_sampled, race
 from glm5.layers.batch import HostCopy, host_to_device
 from glm5.layers.speculative import VerifyBuffers
-from glm5.sampler import Sampler
+from glm5.sampler import Sampler, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -186,14 +186,19 @@ class BatchedSpeculation:
 
     # ------------------------------------------------------------------ which steps
     def accepts(self, sched: SchedulerOutput) -> bool:
-        """True when every chunk is one request's next token plus its drafts (no prefill, no placeholder)."""
-        if not sched.chunks or len(sched.chunks) > self.max_requests or not sched.decode_only:
+        """True when every chunk is one request's next token plus its drafts (no prefill, no placeholder).
+
+        One pass over the chunks with the scheduler's properties written out (``decode_only``: one token plus
+        the drafts; ``samples``: the chunk reaches the request's last known token): it runs every step."""
+        chunks = sched.chunks
+        if not chunks or len(chunks) > self.max_requests:
             return False
-        for c in sched.chunks:
-            s = c.seq
-            if not c.samples or c.num_drafts > self.k_max:
-                return False
+        k_max = self.k_max
+        for c in chunks:
+            s, nd = c.seq, c.num_drafts
             lo = s.num_computed_tokens
+            if c.num_tokens != 1 + nd or nd > k_max or lo + 1 != s.num_tokens:
+                return False
             if s.mm is not None and (s.mm.positions is None or bool((s.mm.positions == lo).any())):
                 return False
         return True
@@ -251,15 +256,16 @@ class BatchedSpeculation:
 
     def _plain(self, sched: SchedulerOutput) -> VerifyResult:
         """No request has drafts: the ordinary batched decode step (decode graphs) and sampler."""
-        rows = self.runner._decode_rows(sched)
-        _, out, _ = self.runner._execute_decode(sched, rows)
+        # forward_decode, not the runner's _execute_decode: that one also lists each request's rows for the
+        # per-request MTP proposal, which this path does not read (a list of n objects per step at k = 0)
+        _, out = self.runner.forward_decode(self.runner._decode_rows(sched))
         seqs = [c.seq for c in sched.chunks]
         n = len(seqs)
         result = self._sample_plain(out.logits[:n], seqs)
         # the graph's output rows are overwritten by the next replay: a copy for the backlogs, if anyone keeps one
         hidden = out.hidden[:n].clone() if not all(s.mtp_off for s in seqs) else None
         tokens = result.token_ids.tolist()
-        lps = [[_logprob_dict(result.logprobs[i])] for i in range(n)]
+        lps = [[TokenLogprobs.as_dict(result.logprobs[i])] for i in range(n)]
         return VerifyResult(tokens=[[x] for x in tokens], logprobs=lps, drafts=[0] * n, accepted=[0] * n,
                             first_positions=[s.num_computed_tokens for s in seqs], hidden=hidden, rows_per_seq=1)
 
@@ -282,7 +288,7 @@ class BatchedSpeculation:
             result = self._sample_plain(logits[idx, 0], [chunks[i].seq for i in plain])
             emitted[idx, 0] = result.token_ids
             for j, i in enumerate(plain):
-                lps[i] = [_logprob_dict(result.logprobs[j])]
+                lps[i] = [TokenLogprobs.as_dict(result.logprobs[j])]
         spec = [i for i, c in enumerate(chunks) if c.num_drafts > 0]
         if not spec:
             return emitted, accepted, lps
@@ -466,12 +472,6 @@ class BatchedSpeculation:
             s.set_pending_drafts(copy, i, want[i])
             s.draft_probs = None if probs[0][i] is None or not want[i] else \
                 torch.stack([probs[j][i] for j in range(want[i])])
-
-
-def _logprob_dict(lp) -> dict | None:
-    if lp is None:
-        return None
-    return {"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank, "top": [list(t) for t in lp.top]}
 
 
 __all__ = ["BatchedSpeculation", "DRAIN_ROWS", "MAX_BACKLOG", "MTPBacklog", "VerifyResult", "neutral_params",
