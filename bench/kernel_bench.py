@@ -21,6 +21,9 @@ state bytes per second against the copy bandwidth, the data behind ``kda_verify.
 512-8192 rows with the tf32x3 and the bf16x3 projection; then (unless ``--no-tiles``) at a prefill chunk's 4096
 rows and at 64 rows, the projection's tiles (rows and K per program, split, warps, stages), the row kernel's warps
 and the post kernel's column block and warps, from CUDA graphs, with the bytes each kernel must move.
+
+``python bench/kernel_bench.py --mhc-decode OUT.json``: mHC pre at 1-8 rows, the tf32x3 projection against the FMA
+one (``mhc_pre(proj_fma=True)``) at several tiles, and the row kernel's warps; 16 sites per CUDA graph.
 """
 
 from __future__ import annotations
@@ -249,6 +252,47 @@ def mhc(out: str, tiles: bool = True) -> None:
         json.dump({**_run_info(), "copy_bw_Bps": bw, "rows": rows}, fh, indent=1)
 
 
+def mhc_decode(out: str) -> None:
+    """mHC pre at decode sizes (1-8 rows, n = 4, H = 4096, bf16): the projection on tensor cores in tf32x3 (the
+    default) against the FMA projection (``proj_fma``) at several splits, K tiles and warps, and the row kernel's
+    warps. One CUDA graph holds the 16 sites of a bench-config step, each with its own ``fn`` (as a step reads
+    them); µs per site, and each variant's post / comb against the fp32 reference (no tf32)."""
+    from glm5_kernels.mhc import mhc_pre
+    from glm5_kernels.mhc_ref import mhc_pre_ref
+
+    n_hc, hid, sites = 4, 4096, 16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    fns = [torch.randn(n_hc * (n_hc + 2), n_hc * hid, device="cuda", generator=g) * 0.02 for _ in range(sites)]
+    base, scale = torch.randn(n_hc * (n_hc + 2), device="cuda", generator=g), torch.rand(3, device="cuda", generator=g)
+    w = torch.ones(hid, device="cuda", dtype=torch.bfloat16)
+    variants = [{}] + [dict(proj_fma=True, splits=sp, block_k=bk, proj_warps=pw)
+                       for sp in (None, 32, 16) for bk in (64, 128, 256) for pw in (2, 4)] + \
+        [dict(row_warps=rw) for rw in (2, 4, 16)] + [dict(proj_fma=True, row_warps=rw) for rw in (2, 4, 16)]
+    rows = []
+    for t in (1, 2, 4, 8):
+        streams = torch.randn(t, n_hc, hid, device="cuda", dtype=torch.bfloat16, generator=g)
+        torch.backends.cuda.matmul.allow_tf32 = False   # the fp32 reference in fp32 (bf16 streams are exact in it)
+        _, pr, cr = (r.double() for r in mhc_pre_ref(streams, fns[0], base, scale, n_hc, 1e-6, 1e-5, 20))
+        row = {"kernel": "mhc_pre_decode", "T": t, "sites": sites}
+        for v in variants:
+            key = "_".join(f"{k}{v[k]}" for k in v) or "default"
+            try:
+                _, p_, c_ = mhc_pre(streams, fns[0], base, scale, n_hc, 1e-6, 1e-5, 20, w, 1e-5, **v)
+
+                def step(v=v) -> None:
+                    for fn in fns:
+                        mhc_pre(streams, fn, base, scale, n_hc, 1e-6, 1e-5, 20, w, 1e-5, **v)
+                row[key] = {"us_per_site": graph_us(step) / sites,
+                            "post_err": (p_.double() - pr).abs().max().item(),
+                            "comb_err": (c_.double() - cr).abs().max().item()}
+            except Exception as e:  # out of registers / resources for that tile
+                row[key] = f"{type(e).__name__}: {str(e)[:80]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    with open(out, "w") as fh:
+        json.dump({**_run_info(), "rows": rows}, fh, indent=1)
+
+
 #: (BV, num_warps) tiles of the KDA decode sweep: at most 128 state floats per thread (no spills).
 KDA_TILES = tuple((bv, w) for bv in (8, 16, 32, 64, 128) for w in (1, 2, 4, 8) if 128 * bv // (32 * w) <= 128)
 
@@ -320,6 +364,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kda", action="store_true", help="the KDA decode recurrence's tiles (and fla's) instead")
     ap.add_argument("--mhc", action="store_true", help="the mHC kernels' tiles at prefill and batch sizes instead")
     ap.add_argument("--no-tiles", action="store_true", help="--mhc: only the bf16x3 projection against tf32x3")
+    ap.add_argument("--mhc-decode", action="store_true", help="mHC pre at decode sizes: tf32x3 against the FMA "
+                    "projection's tiles, the row kernel's warps")
     return ap.parse_args(argv)
 
 
@@ -327,5 +373,7 @@ if __name__ == "__main__":
     args = _args()
     if args.mhc:
         mhc(args.out, tiles=not args.no_tiles)
+    elif args.mhc_decode:
+        mhc_decode(args.out)
     else:
         (small if args.small else router if args.router else kda if args.kda else main)(args.out)

@@ -97,6 +97,42 @@ def test_mhc_kernels_interpreter_cpu():
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
 
 
+def test_mhc_fma_projection_interpreter_cpu():
+    """``proj_fma`` (decode sizes): the CUDA-core projection against the reference at 1-8 rows (row blocks of
+    1, 4 and 8, masked rows, an uneven split, a masked H tail), and above FMA_MAX_ROWS the tensor-core path."""
+    code = textwrap.dedent(f"""
+        import torch
+        from glm5_kernels import mhc
+        from glm5_kernels.mhc_ref import mhc_pre_ref
+        import test_kernels_mhc as T
+        n, iters, eps, neps = {N}, {ITERS}, {HC_EPS}, {NORM_EPS}
+        launched = []
+        kernel = mhc._mhc_proj_kernel
+        class Spy:
+            def __getitem__(self, grid):
+                def launch(*a, **kw):
+                    launched.append((kw["FMA"], kw["BLOCK_T"]))
+                    return kernel[grid](*a, **kw)
+                return launch
+        mhc._mhc_proj_kernel = Spy()
+        for i, (t, h, splits, bk) in enumerate([(1, 64, None, 16), (3, 48, 3, 32), (8, 64, 2, 64), (9, 64, 2, 64)]):
+            fn, base, scale = T._params(n, h, "cpu", i)
+            st = T._streams(t, n, h, torch.float32, "cpu", 30 + i)
+            w = 1 + 0.1 * torch.randn(h, generator=torch.Generator().manual_seed(i))
+            x, post, comb = mhc.mhc_pre(st, fn, base, scale, n, eps, neps, iters, w, 1e-5, splits=splits, block_k=bk,
+                                        proj_fma=True)
+            xr, pr, cr = mhc_pre_ref(st, fn, base, scale, n, eps, neps, iters, w, 1e-5)
+            errs = [T._max_rel(x, xr), T._max_rel(post, pr), T._max_rel(comb, cr)]
+            assert max(errs) < 1e-5, (t, h, errs)
+        assert launched == [(True, 1), (True, 4), (True, 8), (False, 16)], launched
+        print("ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "kernels"), str(ROOT / "backend"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
+
+
 def test_split_fn_bf16x3_is_exact_and_k_major():
     from glm5_kernels.mhc import split_fn_bf16x3
     fn, _, _ = _params(N, 48, "cpu", 3)
@@ -218,6 +254,26 @@ def test_mhc_pre_split3_projection_matches_reference_gpu(t, fp32_matmul_highest)
     a = mhc_pre(small, fn, base, scale, N, HC_EPS, NORM_EPS, ITERS, w, NORM_EPS, fn_split=sp)
     b = mhc_pre(small, fn, base, scale, N, HC_EPS, NORM_EPS, ITERS, w, NORM_EPS)
     assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mhc_pre_fma_projection_matches_reference_gpu(t, dtype, fp32_matmul_highest):
+    """``proj_fma`` at decode sizes and the real shape: post / comb within the default path's 1e-5 of the fp32
+    reference, and the block input to the dtype's tolerance."""
+    from glm5_kernels.mhc import mhc_pre
+    from glm5_kernels.mhc_ref import mhc_pre_ref
+    h = 4096
+    fn, base, scale = _params(N, h, "cuda", t)
+    st = _streams(t, N, h, dtype, "cuda", t + 2)
+    w = (1 + 0.1 * torch.randn(h, generator=torch.Generator().manual_seed(t))).to("cuda", dtype)
+    x, post, comb = mhc_pre(st, fn, base, scale, N, HC_EPS, NORM_EPS, ITERS, w, NORM_EPS, proj_fma=True)
+    xr, pr, cr = mhc_pre_ref(st, fn, base, scale, N, HC_EPS, NORM_EPS, ITERS, w, NORM_EPS)
+    errs = (_max_rel(post, pr), _max_rel(comb, cr), _max_rel(x, xr))
+    print(f"mhc_pre proj_fma {dtype} T={t}: post / comb / x rel err {errs[0]:.1e} / {errs[1]:.1e} / {errs[2]:.1e}")
+    assert errs[0] < 1e-5 and errs[1] < 1e-5, errs
+    assert errs[2] < (1e-5 if dtype == torch.float32 else 1e-2), errs
 
 
 @pytest.mark.gpu

@@ -41,6 +41,8 @@ _LARGE_T = 512
 SPLIT3_MIN_ROWS = _LARGE_T
 _MAX_SPLITS = 64   # split-K programs per row block at most
 _MAX_BLOCK_H = 8192  # the pre kernel keeps a whole collapsed row in registers
+#: Rows up to which ``mhc_pre(proj_fma=True)`` runs the projection on the CUDA cores (decode sizes).
+FMA_MAX_ROWS = 8
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -49,12 +51,13 @@ _MAX_BLOCK_H = 8192  # the pre kernel keeps a whole collapsed row in registers
 def _mhc_proj_kernel(x_ptr, fn_ptr, part_ptr, T, K, k_per_split, stride_xt,
                      MIX: tl.constexpr, MIX_PAD: tl.constexpr, SPLITS: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                     SPLIT3: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                     SPLIT3: tl.constexpr = False, FMA: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """part[t, s, c] = Σ_{k in split s} x[t, k]·fn[c, k] for c < MIX; part[t, s, MIX] = Σ x[t, k]².
 
     ``SPLIT3`` (bf16 streams): ``fn_ptr`` is :func:`split_fn_bf16x3`'s ``[3, K, MIX_PAD]`` (fn = hi + mid + lo,
     each bf16, k-major): three bf16 tensor-core dots per K tile whose products are exact in the fp32
-    accumulator, with weight tiles read along their rows."""
+    accumulator, with weight tiles read along their rows. ``FMA`` (a few rows, ``BLOCK_T`` below the 16 a
+    ``tl.dot`` needs): fp32 products and sums on the CUDA cores, no padded rows."""
     pdl_enter(USE_PDL)
     pid_t = tl.program_id(0)
     sp = tl.program_id(1)
@@ -81,7 +84,10 @@ def _mhc_proj_kernel(x_ptr, fn_ptr, part_ptr, T, K, k_per_split, stride_xt,
             x = xt.to(tl.float32)
             w = tl.load(fn_ptr + cols[None, :] * K + offs_k[:, None],
                         mask=cmask[None, :] & kmask[:, None], other=0.0)                # [BLOCK_K, MIX_PAD]
-            acc += tl.dot(x, w, input_precision=PRECISION)
+            if FMA:
+                acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)
+            else:
+                acc += tl.dot(x, w, input_precision=PRECISION)
         ss += tl.sum(x * x, axis=1)
     acc = tl.where(cols[None, :] == MIX, ss[:, None], acc)
     out = part_ptr + (rows.to(tl.int64)[:, None] * SPLITS + sp) * MIX_PAD + cols[None, :]
@@ -186,7 +192,7 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
             eps: float, norm_eps: float, iters: int, block_norm_w: torch.Tensor | None = None,
             block_norm_eps: float | None = None, splits: int | None = None,
             block_k: int = 64, block_t: int | None = None, proj_warps: int = 4, proj_stages: int | None = None,
-            row_warps: int | None = None, fn_split: torch.Tensor | None = None
+            row_warps: int | None = None, fn_split: torch.Tensor | None = None, proj_fma: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused :func:`~glm5_kernels.mhc_ref.mhc_pre_ref`: streams ``[T, n, H]`` → ``(x [T, H], post [T, n], comb [T, n, n])``.
 
@@ -198,6 +204,8 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     projection (default: fill the GPU), ``row_warps`` the row kernel (``bench/kernel_bench.py --mhc``).
     ``fn_split`` (:func:`split_fn_bf16x3` of ``fn``): bf16 streams of at least ``SPLIT3_MIN_ROWS`` rows
     (prefill) run the projection as three bf16 dots (:func:`_mhc_proj_kernel`'s ``SPLIT3``) instead of tf32x3.
+    ``proj_fma``: up to :data:`FMA_MAX_ROWS` rows, the projection multiplies on the CUDA cores in fp32 (``FMA``)
+    with one row block of the rows' power of two instead of a 16-row tensor-core tile (decode sizes).
     """
     t, h = _check_streams(streams, n)
     mix, k = n * (n + 2), n * h
@@ -226,8 +234,9 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     comb = torch.empty(t, n, n, device=dev, dtype=torch.float32)
     if t == 0:
         return out, post, comb
+    fma = proj_fma and t <= FMA_MAX_ROWS
     if block_t is None:
-        block_t = _BLOCK_T_LARGE if t >= _LARGE_T else _BLOCK_T
+        block_t = triton.next_power_of_2(t) if fma else _BLOCK_T_LARGE if t >= _LARGE_T else _BLOCK_T
     row_blocks = triton.cdiv(t, block_t)
     kblocks = triton.cdiv(k, block_k)
     if splits is None:
@@ -244,7 +253,7 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
                          f"{fn_split.dtype} {tuple(fn_split.shape)}")
     _mhc_proj_kernel[(row_blocks, splits)](
         streams, fn_split if split3 else fn, part, t, k, k_per_split, streams.stride(0),
-        MIX=mix, MIX_PAD=mix_pad, SPLITS=splits, BLOCK_T=block_t, BLOCK_K=block_k, SPLIT3=split3,
+        MIX=mix, MIX_PAD=mix_pad, SPLITS=splits, BLOCK_T=block_t, BLOCK_K=block_k, SPLIT3=split3, FMA=fma,
         # 16-bit streams are exact in tf32, so tf32x3 (fn split into two tf32 halves) keeps fp32 accuracy on
         # tensor cores; the FMA "ieee" dot made this projection 15 % of an 8K prefill. fp32 streams stay ieee.
         # SPLIT3 (bf16 prefill rows): three bf16 dots over the k-major split, whose weight tiles load along
@@ -354,4 +363,4 @@ def bench_mhc(tokens: tuple[int, ...] = (1, 8, 64, 4096), h: int = 4096, n: int 
     return rows
 
 
-__all__ = ["SPLIT3_MIN_ROWS", "mhc_pre", "mhc_post", "post_tile", "split_fn_bf16x3", "bench_mhc"]
+__all__ = ["FMA_MAX_ROWS", "SPLIT3_MIN_ROWS", "mhc_pre", "mhc_post", "post_tile", "split_fn_bf16x3", "bench_mhc"]
