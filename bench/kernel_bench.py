@@ -22,6 +22,9 @@ state bytes per second against the copy bandwidth, the data behind ``kda_verify.
 rows and at 64 rows, the projection's tiles (rows and K per program, split, warps, stages), the row kernel's warps
 and the post kernel's column block and warps, from CUDA graphs, with the bytes each kernel must move.
 
+``python bench/kernel_bench.py --select OUT.json``: the index selection (one program per row) at 1-256 rows and
+context 1K-32K, its loop step (scores per step) and warps against the default's, outputs compared.
+
 ``python bench/kernel_bench.py --mhc-decode OUT.json``: mHC pre at 1-8 rows, the tf32x3 projection against the FMA
 one (``mhc_pre(proj_fma=True)``) at several tiles, and the row kernel's warps; 16 sites per CUDA graph.
 """
@@ -252,6 +255,44 @@ def mhc(out: str, tiles: bool = True) -> None:
         json.dump({**_run_info(), "copy_bw_Bps": bw, "rows": rows}, fh, indent=1)
 
 
+def select(out: str) -> None:
+    """The index selection (``select_token_slots``, one program per row) at 1-256 rows and context 1K-32K over the
+    32K bench table, at its default (1024 scores per loop step, 4 warps) and with larger steps and more warps:
+    at 32K a row's program runs four radix passes and a compaction over 8192 pools. Each variant's output is
+    compared with the default's (the selection is exact, so they must be equal)."""
+    from glm5_kernels.indexer import select_token_slots
+
+    kp, bs, n_select, mb = 4, 64, 512, 514                       # 514 blocks of 64 = the 32K bench table
+    max_pools = mb * bs // kp
+    rows = []
+    for n in (1, 8, 64, 256):
+        for ctx in (1024, 8192, 32768):
+            pos = torch.full((n,), ctx, device="cuda", dtype=torch.int64)
+            nc = torch.div(pos + 1, kp, rounding_mode="floor")
+            scores = torch.randn(n, max_pools, device="cuda").masked_fill(
+                torch.arange(max_pools, device="cuda")[None, :] >= nc[:, None], float("-inf"))
+            bt = torch.randperm(n * mb, device="cuda").view(n, mb).int()
+            rs = torch.arange(n, device="cuda", dtype=torch.int32)
+            cnt = torch.empty(n, device="cuda", dtype=torch.int32)
+            ref = select_token_slots(scores, nc, pos, bt, rs, n_select, kp, bs, counts_out=cnt)
+            row = {"kernel": "select", "n": n, "ctx": ctx}
+            for block in (1024, 2048, 4096, 8192):
+                for warps in (4, 8, 16):
+                    key = f"b{block}_w{warps}"
+                    try:
+                        got = select_token_slots(scores, nc, pos, bt, rs, n_select, kp, bs, block=block,
+                                                 counts_out=cnt, num_warps=warps)
+                        row[key] = {"us": graph_us(lambda: select_token_slots(
+                            scores, nc, pos, bt, rs, n_select, kp, bs, block=block, counts_out=cnt,
+                            num_warps=warps)), "equal": torch.equal(got, ref)}
+                    except Exception as e:  # out of registers / shared memory for that tile
+                        row[key] = f"{type(e).__name__}: {str(e)[:80]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    with open(out, "w") as fh:
+        json.dump({**_run_info(), "rows": rows}, fh, indent=1)
+
+
 def mhc_decode(out: str) -> None:
     """mHC pre at decode sizes (1-8 rows, n = 4, H = 4096, bf16): the projection on tensor cores in tf32x3 (the
     default) against the FMA projection (``proj_fma``) at several splits, K tiles and warps, and the row kernel's
@@ -267,7 +308,7 @@ def mhc_decode(out: str) -> None:
     w = torch.ones(hid, device="cuda", dtype=torch.bfloat16)
     variants = [{}] + [dict(proj_fma=True, splits=sp, block_k=bk, proj_warps=pw)
                        for sp in (None, 32, 16) for bk in (64, 128, 256) for pw in (2, 4)] + \
-        [dict(row_warps=rw) for rw in (2, 4, 16)] + [dict(proj_fma=True, row_warps=rw) for rw in (2, 4, 16)]
+        [dict(row_warps=rw) for rw in (1, 2, 4, 16)] + [dict(proj_fma=True, row_warps=rw) for rw in (1, 2, 4, 16)]
     rows = []
     for t in (1, 2, 4, 8):
         streams = torch.randn(t, n_hc, hid, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -364,6 +405,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kda", action="store_true", help="the KDA decode recurrence's tiles (and fla's) instead")
     ap.add_argument("--mhc", action="store_true", help="the mHC kernels' tiles at prefill and batch sizes instead")
     ap.add_argument("--no-tiles", action="store_true", help="--mhc: only the bf16x3 projection against tf32x3")
+    ap.add_argument("--select", action="store_true", help="the index selection's loop step and warps at 1-256 rows, "
+                    "context 1K-32K")
     ap.add_argument("--mhc-decode", action="store_true", help="mHC pre at decode sizes: tf32x3 against the FMA "
                     "projection's tiles, the row kernel's warps")
     return ap.parse_args(argv)
@@ -375,5 +418,7 @@ if __name__ == "__main__":
         mhc(args.out, tiles=not args.no_tiles)
     elif args.mhc_decode:
         mhc_decode(args.out)
+    elif args.select:
+        select(args.out)
     else:
         (small if args.small else router if args.router else kda if args.kda else main)(args.out)

@@ -214,7 +214,7 @@ def _select_slots_kernel(scores_ptr, nc_ptr, pos_ptr, bt_ptr, row_seq_ptr, out_p
 def select_token_slots(scores: torch.Tensor, n_complete: torch.Tensor, positions: torch.Tensor,
                               block_tables: torch.Tensor, row_seq: torch.Tensor, n_select: int, kpool: int,
                               block_size: int, block: int = 1024,
-                              counts_out: torch.Tensor | None = None) -> torch.Tensor:
+                              counts_out: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
     """Latent rows each query attends to: ``[N, n_select*kpool + kpool - 1]`` int32, valid first, ``-1`` after.
 
     scores ``[N, P]`` from :func:`indexer_scores` (``-inf`` at ``p >= n_complete``), positions ``[N]``,
@@ -225,7 +225,8 @@ def select_token_slots(scores: torch.Tensor, n_complete: torch.Tensor, positions
     row's visible pools: ``torch.topk`` over the block-table width took 87 µs per layer at batch 1, ctx 1K.
     ``counts_out [N]`` int32 (optional) receives each row's valid entries (:func:`count_selected`), which
     lets the attention kernel stop there. NaN scores (which a finite cache never produces) are not ordered
-    as ``torch.sort`` orders them."""
+    as ``torch.sort`` orders them. ``block`` (a power of two): scores per loop step of the program;
+    ``num_warps``: its warps."""
     n, max_pools = scores.shape
     width = n_select * kpool + kpool - 1
     if kpool & (kpool - 1) or block_size % kpool:
@@ -244,7 +245,7 @@ def select_token_slots(scores: torch.Tensor, n_complete: torch.Tensor, positions
         scores, n_complete, positions, block_tables, row_seq, out, counts_out if counts_out is not None else out,
         max_pools, n_select, width,
         block_tables.shape[1], scores.stride(0), block_tables.stride(0), out.stride(0),
-        KPOOL=kpool, BS=block_size, BLOCK=block, HAS_CNT=counts_out is not None, num_warps=4,
+        KPOOL=kpool, BS=block_size, BLOCK=block, HAS_CNT=counts_out is not None, num_warps=num_warps,
         **pdl_kwargs(scores.device))
     return out
 
