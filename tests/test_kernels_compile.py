@@ -152,14 +152,16 @@ def test_moe_align_kernel_compiles(pairs, block_m):
 
 
 @pytest.mark.parametrize("dtype,precision,block_t", [("bf16", "tf32x3", 64), ("bf16", "tf32x3", 16),
-                                                     ("fp32", "ieee", 16), ("bf16", "split3", 64)])
+                                                     ("fp32", "ieee", 16), ("bf16", "split3", 64),
+                                                     ("bf16", "fma", 1), ("bf16", "fma", 8), ("fp32", "fma", 4)])
 def test_mhc_kernels_compile(dtype, precision, block_t):
-    """``split3``: the prefill projection's three bf16 dots over the k-major split of fn."""
+    """``split3``: the prefill projection's three bf16 dots over the k-major split of fn; ``fma``: the decode
+    projection on the CUDA cores (``mhc_pre(proj_fma=True)``)."""
     from glm5_kernels.mhc import _mhc_post_kernel, _mhc_pre_row_kernel, _mhc_proj_kernel
-    split3 = precision == "split3"
+    split3, fma = precision == "split3", precision == "fma"
     _compile(_mhc_proj_kernel, dict(x_ptr=dtype, fn_ptr="bf16" if split3 else "fp32", part_ptr="fp32"),
              dict(MIX=24, MIX_PAD=32, SPLITS=8, BLOCK_T=block_t, BLOCK_K=64,
-                  PRECISION="tf32x3" if split3 else precision, SPLIT3=split3))
+                  PRECISION="tf32x3" if split3 or fma else precision, SPLIT3=split3, FMA=fma))
     _compile(_mhc_pre_row_kernel, dict(x_ptr=dtype, part_ptr="fp32", base_ptr="fp32", scale_ptr="fp32",
                                        w_ptr=dtype, out_ptr=dtype, post_ptr="fp32", comb_ptr="fp32"),
              dict(N=4, MIX=24, MIX_PAD=32, SPLITS=8, SPLITS_P2=8, BLOCK_H=4096, HAS_NORM=True),
