@@ -87,6 +87,24 @@ def graph_us(fn, reps: int = 200) -> float:
     return triton.testing.do_bench(g.replay, rep=reps, return_mode="median") * 1000.0
 
 
+#: The index selection's bench shape: kpool, block size, pools selected, blocks per table (514 x 64 = the 32K table)
+SELECT_SHAPE = (4, 64, 512, 514)
+
+
+def _select_inputs(n: int, ctx: int):
+    """Decode rows at position ``ctx`` for the selection: ``(scores, n_complete, positions, block_tables, row_seq,
+    counts_out)``, scores random over the visible pools and ``-inf`` past them."""
+    kp, bs, _, mb = SELECT_SHAPE
+    max_pools = mb * bs // kp
+    pos = torch.full((n,), ctx, device="cuda", dtype=torch.int64)
+    nc = torch.div(pos + 1, kp, rounding_mode="floor")
+    scores = torch.randn(n, max_pools, device="cuda").masked_fill(
+        torch.arange(max_pools, device="cuda")[None, :] >= nc[:, None], float("-inf"))
+    bt = torch.randperm(n * mb, device="cuda").view(n, mb).int()
+    rs = torch.arange(n, device="cuda", dtype=torch.int32)
+    return scores, nc, pos, bt, rs, torch.empty(n, device="cuda", dtype=torch.int32)
+
+
 def small(out: str) -> None:
     from glm5_kernels.indexer import select_token_slots
     from glm5_kernels.mhc import mhc_pre
@@ -97,17 +115,11 @@ def small(out: str) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    kp, bs, n_select, mb = 4, 64, 512, 514                       # 514 blocks of 64 = the 32K bench table
-    max_pools = 514 * 16
+    kp, bs, n_select, _ = SELECT_SHAPE
     for n in (1, 8, 64, 256):
         for ctx in (1024, 8192, 32768):
-            pos = torch.full((n,), ctx, device="cuda", dtype=torch.int64)
-            nc = torch.div(pos + 1, kp, rounding_mode="floor")
-            scores = torch.randn(n, max_pools, device="cuda").masked_fill(
-                torch.arange(max_pools, device="cuda")[None, :] >= nc[:, None], float("-inf"))
-            bt = torch.randperm(n * mb, device="cuda").view(n, mb).int()
-            rs = torch.arange(n, device="cuda", dtype=torch.int32)
-            cnt = torch.empty(n, device="cuda", dtype=torch.int32)
+            scores, nc, pos, bt, rs, cnt = _select_inputs(n, ctx)
+            max_pools = scores.shape[1]
             bits = scores.view(torch.int32)
             key = (torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long() << 32) | torch.arange(max_pools, device="cuda")
             log({"kernel": "select", "n": n, "ctx": ctx,
@@ -262,18 +274,11 @@ def select(out: str) -> None:
     compared with the default's (the selection is exact, so they must be equal)."""
     from glm5_kernels.indexer import select_token_slots
 
-    kp, bs, n_select, mb = 4, 64, 512, 514                       # 514 blocks of 64 = the 32K bench table
-    max_pools = mb * bs // kp
+    kp, bs, n_select, _ = SELECT_SHAPE
     rows = []
     for n in (1, 8, 64, 256):
         for ctx in (1024, 8192, 32768):
-            pos = torch.full((n,), ctx, device="cuda", dtype=torch.int64)
-            nc = torch.div(pos + 1, kp, rounding_mode="floor")
-            scores = torch.randn(n, max_pools, device="cuda").masked_fill(
-                torch.arange(max_pools, device="cuda")[None, :] >= nc[:, None], float("-inf"))
-            bt = torch.randperm(n * mb, device="cuda").view(n, mb).int()
-            rs = torch.arange(n, device="cuda", dtype=torch.int32)
-            cnt = torch.empty(n, device="cuda", dtype=torch.int32)
+            scores, nc, pos, bt, rs, cnt = _select_inputs(n, ctx)
             ref = select_token_slots(scores, nc, pos, bt, rs, n_select, kp, bs, counts_out=cnt)
             row = {"kernel": "select", "n": n, "ctx": ctx}
             for block in (1024, 2048, 4096, 8192):
