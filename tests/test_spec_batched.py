@@ -409,13 +409,15 @@ def test_verification_reads_the_drafts_on_the_device_without_waiting_for_them(pa
     ckpt, _ = pair
     prompts = [random_prompt(n, VOCAB, seed=800 + n) for n in (4, 21, 33)]
     ref = [o.token_ids for o in engine(ckpt, decode_path="batched").generate(prompts, greedy(12))]
-    events = []   # ("verify", id of the proposal's HostCopy) / ("read", id)
+    # ("round", the proposal's HostCopy or None) / ("launch", drafts on the device) / ("read", HostCopy): the
+    # copies themselves, not their ids (a freed copy's id is reused by a later one)
+    events = []
     orig_verify, orig_tolist = BatchedSpeculation.verify, HostCopy.tolist
     orig_fwd = SpecForwards.verify
 
     def verify(self, sched):
         pending = sched.chunks[0].seq.pending_drafts
-        events.append(("round", id(pending[0]) if pending else None))
+        events.append(("round", pending[0] if pending else None))
         return orig_verify(self, sched)
 
     def fwd_verify(self, rows, t, padded, drafts=None):
@@ -423,7 +425,7 @@ def test_verification_reads_the_drafts_on_the_device_without_waiting_for_them(pa
         return orig_fwd(self, rows, t, padded, drafts)
 
     def tolist(self):
-        events.append(("read", id(self)))
+        events.append(("read", self))
         return orig_tolist(self)
 
     monkeypatch.setattr(BatchedSpeculation, "verify", verify)
@@ -435,5 +437,6 @@ def test_verification_reads_the_drafts_on_the_device_without_waiting_for_them(pa
     assert len(rounds) >= 3, events
     for i in rounds:   # the proposal's copy is read only after the verification that uses it was launched
         launch = events.index(("launch", True), i)
-        first_read = min((j for j, e in enumerate(events) if e == ("read", events[i][1])), default=len(events))
+        first_read = min((j for j, e in enumerate(events) if e[0] == "read" and e[1] is events[i][1]),
+                         default=len(events))
         assert launch < first_read, events
