@@ -534,9 +534,9 @@ class LLMEngine:
                 live.append((i, seq))
         self.k_policy.observe_step(observed)
         self._k_next = self._choose_k(len(live))
-        wants = [(i, s, self._num_drafts(s)) for i, s in live] if self._k_next else [(i, s, 0) for i, s in live]
         self._finish_step(sched, finished, trimmed, lambda: live and self.spec.propose(
-            wants, res, self.scheduler.ensure_blocks, keep_mtp=self._mtp_pays(len(live))))
+            [(i, s, self._num_drafts(s)) for i, s in live], res, self.scheduler.ensure_blocks,
+            keep_mtp=self._mtp_pays(len(live))))
 
     def _verify(self, chunk, batch, logits: torch.Tensor) -> list[int]:
         """Accept drafts of a verification chunk (per-request path) and commit its states to the accepted rows."""
