@@ -152,7 +152,9 @@ def _select_slots_kernel(scores_ptr, nc_ptr, pos_ptr, bt_ptr, row_seq_ptr, out_p
     score key by a 4-pass 8-bit radix select over their own ``nc`` pools (the -inf padding past ``nc`` is
     never read, so the cost follows the context, not the block-table width), then take every pool above
     it and the lowest ids among its ties — the stable sort's set. A compaction pass writes the chosen
-    pools' token slots in pool order, then the tail tokens and ``-1`` padding."""
+    pools' token slots in pool order, then the tail tokens and ``-1`` padding. A row that takes every pool
+    (``nc <= n_select``: contexts up to ``n_select * KPOOL`` tokens) skips the compaction: its output is tokens
+    ``0..pos`` in order, which the tail loop writes alone, without reading a score."""
     pdl_enter(USE_PDL)
     n = tl.program_id(0).to(tl.int64)
     nc = tl.minimum(tl.load(nc_ptr + n).to(tl.int32), max_pools)
@@ -161,6 +163,7 @@ def _select_slots_kernel(scores_ptr, nc_ptr, pos_ptr, bt_ptr, row_seq_ptr, out_p
     row = scores_ptr + n * stride_sn
     out = out_ptr + n * stride_on
     take_all = nc <= n_select
+    n_pre = tl.where(take_all, 0, nc)                # pools the compaction pass walks; the tail loop does the rest
     thr = tl.full([], 0, tl.int64)
     want = tl.full([], 0, tl.int32) + n_select      # how many of the keys equal to ``thr`` to take
     bins = tl.arange(0, 512)
@@ -184,13 +187,13 @@ def _select_slots_kernel(scores_ptr, nc_ptr, pos_ptr, bt_ptr, row_seq_ptr, out_p
     kk = tl.arange(0, KPOOL)
     n_out = tl.full([], 0, tl.int32)
     n_eq = tl.full([], 0, tl.int32)
-    for c in range(0, nc, BLOCK):
+    for c in range(0, n_pre, BLOCK):
         offs = c + tl.arange(0, BLOCK)
-        m = offs < nc
+        m = offs < n_pre
         u = _order_bits(tl.load(row + offs, mask=m, other=0.0))
         eq = (m & (u == thr)).to(tl.int32)
         above = (u > thr) | ((eq != 0) & (tl.cumsum(eq, 0) - eq + n_eq < want))
-        si = (m & above).to(tl.int32) | (m.to(tl.int32) * take_all.to(tl.int32))
+        si = (m & above).to(tl.int32)
         at = tl.cumsum(si, 0) - si + n_out                                   # output pool index
         tok = offs[:, None] * KPOOL + kk[None, :]
         # masks from comparisons: Triton 3.9's interpreter turns a bool block combined with a scalar bool
@@ -200,12 +203,12 @@ def _select_slots_kernel(scores_ptr, nc_ptr, pos_ptr, bt_ptr, row_seq_ptr, out_p
         tl.store(out + at[:, None] * KPOOL + kk[None, :], (blk * BS + tok % BS).to(tl.int32), mask=sel)
         n_out += tl.sum(si, 0)
         n_eq += tl.sum(eq, 0)
-    first_tail = n_out * KPOOL                                               # == min(nc, n_select) * KPOOL
+    first_tail = n_out * KPOOL                                               # n_select * KPOOL, or 0 (take-all)
     if HAS_CNT:
-        tl.store(cnt_ptr + n, first_tail + pos + 1 - nc * KPOOL)
+        tl.store(cnt_ptr + n, first_tail + pos + 1 - n_pre * KPOOL)
     for c in range(first_tail, width, BLOCK):
         col = c + tl.arange(0, BLOCK)
-        tok = nc * KPOOL + (col - first_tail)
+        tok = n_pre * KPOOL + (col - first_tail)
         is_tail = tok <= pos
         blk = tl.load(bt_row + tl.minimum(tok // BS, MB - 1), mask=is_tail & (col < width), other=0).to(tl.int64)
         tl.store(out + col, tl.where(is_tail, (blk * BS + tok % BS).to(tl.int32), -1), mask=col < width)
