@@ -440,9 +440,11 @@ class LLMEngine:
         new_tokens: dict[int, tuple[list[int], list[dict | None]]] = {}
         if plain:
             seqs = [sched.chunks[ci].seq for ci, _ in plain]
-            rows = host_to_device([row for _, row in plain], model_out.logits.device)
+            logits, rows = model_out.logits, [row for _, row in plain]
+            if rows != list(range(logits.shape[0])):   # a decode step samples every row in order: no gather
+                logits = logits[host_to_device(rows, logits.device)]
             result = self.sampler.sample(
-                model_out.logits[rows], [s.params for s in seqs], generators=[s.generator for s in seqs],
+                logits, [s.params for s in seqs], generators=[s.generator for s in seqs],
                 output_token_ids=[s.output_token_ids for s in seqs], prompt_token_ids=[s.prompt_token_ids for s in seqs],
                 eos_token_ids=[s.eos_token_ids for s in seqs],
                 bad_words_token_ids=[s.bad_words_token_ids for s in seqs])
