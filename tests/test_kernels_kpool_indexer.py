@@ -273,6 +273,33 @@ def test_selection_breaks_exact_ties_by_pool_id_like_the_stable_sort_interpreter
     """)
 
 
+def test_selection_ends_at_any_radix_pass_like_the_stable_sort_interpreter():
+    """Scores that differ first in each of the four 8-bit key digits (steps of 2, 2^-8, 2^-16 and one ulp
+    from 1.0), as distinct values or with repeats, so the threshold bin is wanted whole after the first,
+    second, third or only the fourth pass, or never (a tie across the boundary): the stable sort's set."""
+    _interpret("""
+        g = torch.Generator().manual_seed(5)
+        kp, bs, n_select, mb = 2, 8, 7, 6
+        max_pools = mb * bs // kp
+        rows = []
+        for step in (2.0, 2.0 ** -8, 2.0 ** -16, 2.0 ** -23):
+            rows.append(1.0 + torch.randperm(max_pools, generator=g).float() * step)        # distinct
+            rows.append(1.0 + torch.randint(0, 5, (max_pools,), generator=g).float() * step)  # repeats
+        scores = torch.stack(rows)
+        n = scores.shape[0]
+        pos = torch.full((n,), max_pools * kp - 1)
+        nc = torch.div(pos + 1, kp, rounding_mode="floor")
+        bt = torch.stack([torch.randperm(32, generator=g)[:mb] for _ in range(n)]).int()
+        row_seq = torch.arange(n, dtype=torch.int32)
+        got = select_token_slots(scores, nc, pos, bt, row_seq, n_select, kp, bs, block=8)
+        assert torch.equal(got, select_token_slots_ref(scores, nc, pos, bt, row_seq, n_select, kp, bs))
+        for i in range(n):
+            order = sorted(range(max_pools), key=lambda p: (-float(scores[i, p]), p))[:n_select]
+            slots = [int(bt[i, t // bs]) * bs + t % bs for p in sorted(order) for t in range(p * kp, p * kp + kp)]
+            assert got[i, :len(slots)].tolist() == slots, i
+    """)
+
+
 def test_selection_with_fewer_pools_than_n_select_is_dense_causal_interpreter():
     """A block table shorter than n_select pools (and a zero-width score matrix): every token 0..pos."""
     _interpret("""

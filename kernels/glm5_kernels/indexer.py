@@ -151,10 +151,11 @@ def _select_slots_kernel(scores_ptr, nc_ptr, pos_ptr, bt_ptr, row_seq_ptr, out_p
     """One program per row. Rows with more than ``n_select`` visible pools find the ``n_select``-th largest
     score key by a 4-pass 8-bit radix select over their own ``nc`` pools (the -inf padding past ``nc`` is
     never read, so the cost follows the context, not the block-table width), then take every pool above
-    it and the lowest ids among its ties — the stable sort's set. A compaction pass writes the chosen
-    pools' token slots in pool order, then the tail tokens and ``-1`` padding. A row that takes every pool
-    (``nc <= n_select``: contexts up to ``n_select * KPOOL`` tokens) skips the compaction: its output is tokens
-    ``0..pos`` in order, which the tail loop writes alone, without reading a score."""
+    it and the lowest ids among its ties — the stable sort's set. A pass whose threshold bin is wanted whole
+    ends the select there (the passes after it would only split keys that are all taken). A compaction pass
+    writes the chosen pools' token slots in pool order, then the tail tokens and ``-1`` padding. A row that
+    takes every pool (``nc <= n_select``: contexts up to ``n_select * KPOOL`` tokens) skips the compaction:
+    its output is tokens ``0..pos`` in order, which the tail loop writes alone, without reading a score."""
     pdl_enter(USE_PDL)
     n = tl.program_id(0).to(tl.int64)
     nc = tl.minimum(tl.load(nc_ptr + n).to(tl.int32), max_pools)
@@ -166,12 +167,14 @@ def _select_slots_kernel(scores_ptr, nc_ptr, pos_ptr, bt_ptr, row_seq_ptr, out_p
     n_pre = tl.where(take_all, 0, nc)                # pools the compaction pass walks; the tail loop does the rest
     thr = tl.full([], 0, tl.int64)
     want = tl.full([], 0, tl.int32) + n_select      # how many of the keys equal to ``thr`` to take
+    level = tl.full([], 0, tl.int64)                 # ``thr`` holds the key bits above ``level``
+    done = take_all
     bins = tl.arange(0, 512)
     if not take_all:
         for r in tl.static_range(4):
             shift = 24 - 8 * r                       # r is a static_range constant, so is shift
             hist = tl.zeros([512], tl.int32)
-            for c in range(0, nc, BLOCK):
+            for c in range(0, tl.where(done, 0, nc), BLOCK):
                 offs = c + tl.arange(0, BLOCK)
                 m = offs < nc
                 u = _order_bits(tl.load(row + offs, mask=m, other=0.0))
@@ -182,17 +185,21 @@ def _select_slots_kernel(scores_ptr, nc_ptr, pos_ptr, bt_ptr, row_seq_ptr, out_p
             hist = tl.where(bins < 256, hist, 0)
             at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist          # keys with digit >= bin
             b = tl.sum((at_least >= want).to(tl.int32), 0) - 1              # at_least is non-increasing
-            want -= tl.sum(tl.where(bins > b, hist, 0), 0)
-            thr = thr | (b.to(tl.int64) << shift)
+            left = want - tl.sum(tl.where(bins > b, hist, 0), 0)
+            thr = tl.where(done, thr, thr | (b.to(tl.int64) << shift))
+            level = tl.where(done, level, shift)
+            want = tl.where(done, want, left)
+            # every key of bin b is wanted: the prefix decides, the lower digits' passes are skipped
+            done = done | (tl.sum(tl.where(bins == b, hist, 0), 0) == left)
     kk = tl.arange(0, KPOOL)
     n_out = tl.full([], 0, tl.int32)
     n_eq = tl.full([], 0, tl.int32)
     for c in range(0, n_pre, BLOCK):
         offs = c + tl.arange(0, BLOCK)
         m = offs < n_pre
-        u = _order_bits(tl.load(row + offs, mask=m, other=0.0))
-        eq = (m & (u == thr)).to(tl.int32)
-        above = (u > thr) | ((eq != 0) & (tl.cumsum(eq, 0) - eq + n_eq < want))
+        u = _order_bits(tl.load(row + offs, mask=m, other=0.0)) >> level
+        eq = (m & (u == (thr >> level))).to(tl.int32)
+        above = (u > (thr >> level)) | ((eq != 0) & (tl.cumsum(eq, 0) - eq + n_eq < want))
         si = (m & above).to(tl.int32)
         at = tl.cumsum(si, 0) - si + n_out                                   # output pool index
         tok = offs[:, None] * KPOOL + kk[None, :]
