@@ -18,6 +18,7 @@ from glm5.config import ModelConfig
 from glm5.engine.spec_batched import BatchedSpeculation, MTPBacklog, take_backlogs
 from glm5.layers.batch import HostCopy
 from glm5.layers.speculative import kda_state_bytes, per_row_state_bytes, verify_buffer_bytes
+from glm5.sampler import bad_word_token_ids
 from glm5.sampling_params import SamplingParams
 from oracle import ScriptedK, engine, greedy, hf_greedy, make_pair, random_prompt
 
@@ -289,6 +290,50 @@ def test_backlog_drains_replay_their_graphs_and_draft_as_eager_on_cpu(pair, monk
     assert runs[True][2]["steps"] > 0 and len(runs[True][1]) >= 2
     assert len(runs[True][3]) >= 4 and all(k[2] == DRAIN_ROWS for k in runs[True][3])   # two rounds x 2 passes
     assert not runs[False][3]
+
+
+@pytest.mark.parametrize("decode_path", ["batched", "per_request"])
+def test_bad_words_hold_in_verified_and_plain_rows(pair, monkeypatch, decode_path):
+    """``bad_words`` with MTP speculation on: k = 3 gives k = 0's tokens under the same bad words, in a batch of a
+    request with bad words (it drafts; each verification row bans the words against its output plus the drafts
+    before it), one with logprobs (no drafts: the plain sampler of a verification step) and a plain one; and with
+    the policy at k = 0 (the whole step on the plain sampler). Batched path: the drafts are forced from the
+    reference, so most are accepted and a verification row decides the first token the ban changes."""
+    ckpt, _ = pair
+    prompts = [random_prompt(n, VOCAB, seed=700 + n) for n in (5, 17, 23)]
+    n_new = 16
+    base = engine(ckpt, decode_path=decode_path)
+    free = base.generate(prompts[:1], greedy(n_new))[0].token_ids
+    # a word one of whose tokenizations is a single token of the free output past its start (banned anywhere)
+    word = next(w for t in free[4:] if (w := base.tokenizer.decode([t]).strip()) and w.isalpha()
+                and [t] in bad_word_token_ids(base.tokenizer, [w]))
+    banned = bad_word_token_ids(base.tokenizer, [word])
+    params = [SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True, bad_words=[word]),
+              SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True, logprobs=1), greedy(n_new)]
+    ref = [o.token_ids for o in base.generate(prompts, params)]
+    assert ref[0] != free
+    assert not any(ref[0][i:i + len(ids)] == ids for ids in banned for i in range(len(ref[0])))
+    for k_policy in ("k3", "k0"):
+        eng = engine(ckpt, decode_path=decode_path, num_speculative_tokens=3)
+        if k_policy == "k0":
+            eng.k_policy = ScriptedK([0])
+        elif decode_path == "batched":
+            by_id = {f"gen-{i}": r for i, r in enumerate(ref)}
+            _force_drafts(monkeypatch, by_id, lambda rid, step: 3 if rid == "gen-0" else step % 4)
+        wanted: dict[str, int] = {}   # drafts asked per request over the run
+        ask = eng._num_drafts
+        eng._num_drafts = lambda seq: wanted.__setitem__(seq.request_id, wanted.get(seq.request_id, 0) + (
+            n := ask(seq))) or n
+        out = eng.generate(prompts, params)
+        assert [o.token_ids for o in out] == ref, k_policy
+        assert len(out[1].logprobs) == n_new
+        if k_policy == "k3":   # the bad-words request drafts, the logprobs one does not
+            assert wanted["gen-0"] > 0 and wanted["gen-1"] == 0 and eng.spec_stats.steps > 0
+            if decode_path == "batched":
+                assert eng.spec_stats.accepted[2] > 0
+        else:
+            assert eng.spec_stats.steps == 0
+        monkeypatch.undo()
 
 
 @pytest.mark.parametrize("decode_path", ["batched", "per_request"])

@@ -545,7 +545,7 @@ class LLMEngine:
         seq = chunk.seq
         drafts = seq.draft_tokens[: chunk.num_drafts]
         probs = target_distributions(self.sampler, logits, seq.params, seq.output_token_ids, seq.prompt_token_ids,
-                                     drafts, seq.eos_token_ids)
+                                     drafts, seq.eos_token_ids, seq.bad_words_token_ids)
         if seq.params.is_greedy:
             tokens = greedy_verify(probs, drafts)
         else:  # the batched path's sampler on one request: same counter streams, so either path gives its tokens
@@ -567,8 +567,8 @@ class LLMEngine:
         if not self._k_next or seq.mtp_off:  # no speculation this step (the common step where it does not
             return 0                           # pay), or the MTP layer no longer follows the request
         p = seq.params
-        if p.logprobs is not None or p.bad_words:  # logprobs / bad words are applied on the sampling path
-            return 0                                  # only, not to verified drafts: no speculation
+        if p.logprobs is not None:  # logprobs come from the sampling path only, not from verified drafts
+            return 0
         room = min(p.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens)
         return max(0, min(self._k_next, room - 1))
 

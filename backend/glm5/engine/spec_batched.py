@@ -273,7 +273,8 @@ class BatchedSpeculation:
         return self.sampler.sample(logits, [s.params for s in seqs], generators=[s.generator for s in seqs],
                                    output_token_ids=[s.output_token_ids for s in seqs],
                                    prompt_token_ids=[s.prompt_token_ids for s in seqs],
-                                   eos_token_ids=[s.eos_token_ids for s in seqs])
+                                   eos_token_ids=[s.eos_token_ids for s in seqs],
+                                   bad_words_token_ids=[s.bad_words_token_ids for s in seqs])
 
     def _accept(self, chunks, logits: torch.Tensor, k: int):
         """Emitted tokens ``[n, k+1]`` and accepted drafts ``[n]`` on the device, plus plain rows' logprobs."""
@@ -295,16 +296,18 @@ class BatchedSpeculation:
         seqs = [chunks[i].seq for i in spec]
         nd = [chunks[i].num_drafts for i in spec]
         drafts = [s.draft_tokens[:d] + [0] * (k - d) for s, d in zip(seqs, nd)]
-        params, hist, prompts, eos = [], [], [], []
+        params, hist, prompts, eos, bad = [], [], [], [], []
         for s, d in zip(seqs, drafts):
-            for j in range(t):
+            for j in range(t):   # row j has seen drafts[:j]: penalties and bad words count them as output
                 params.append(s.params)
                 hist.append(s.output_token_ids + d[:j])
                 prompts.append(s.prompt_token_ids)
                 eos.append(s.eos_token_ids)
+                bad.append(s.bad_words_token_ids)
         sidx = host_to_device(spec, dev)
         x = self.sampler.process_logits(logits[sidx].reshape(-1, vocab), params, output_token_ids=hist,
-                                        prompt_token_ids=prompts, eos_token_ids=eos).view(len(spec), t, vocab)
+                                        prompt_token_ids=prompts, eos_token_ids=eos,
+                                        bad_words_token_ids=bad).view(len(spec), t, vocab)
         drafts_t = host_to_device(drafts, dev)
         nd_t = host_to_device(nd, dev)
         greedy = [j for j, s in enumerate(seqs) if s.params.is_greedy]

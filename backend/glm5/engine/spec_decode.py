@@ -120,9 +120,11 @@ def row_params(params: SamplingParams, outputs: list[int], drafts: list[int], n_
 
 
 def target_distributions(sampler: Sampler, logits: torch.Tensor, params: SamplingParams, outputs: list[int],
-                         prompt: list[int], drafts: list[int], eos: list[int]) -> torch.Tensor:
-    """Processed (penalties, temperature, top-k/p, min-p) target probabilities for k+1 rows."""
+                         prompt: list[int], drafts: list[int], eos: list[int],
+                         bad_words: list[list[int]] | None = None) -> torch.Tensor:
+    """Processed (bad words, penalties, temperature, top-k/p, min-p) target probabilities for k+1 rows (row
+    ``j`` has seen ``drafts[:j]``)."""
     plist, hist = row_params(params, outputs, drafts, logits.shape[0])
     x = sampler.process_logits(logits, plist, output_token_ids=hist, prompt_token_ids=[prompt] * len(plist),
-                               eos_token_ids=[eos] * len(plist))
+                               eos_token_ids=[eos] * len(plist), bad_words_token_ids=[bad_words] * len(plist))
     return torch.softmax(x.float(), dim=-1)
