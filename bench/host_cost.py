@@ -123,12 +123,14 @@ ENGINE_PARTS = (("schedule", "scheduler.schedule"), ("stage", "runner.stager.sta
 def decoding_engine(batch: int, mode: str, ckpt: Path, speculative: int = 0, keep_mtp: bool = True):
     """A CPU engine on ``ckpt`` whose ``batch`` requests have all finished their prompts, with the model's
     forward replaced by a stub whose logits make row r emit the README's tokens (from offset 97 r).
-    ``speculative`` > 0: MTP speculation with that many drafts at most, its policy fixed at k = 0 and the MTP
-    layer's forward stubbed too; ``keep_mtp``: the policy says speculation could pay (full backlogs are
-    drained), else that it cannot (they are dropped, glm5.engine.spec_batched)."""
+    ``speculative`` > 0: MTP speculation with that many drafts at most, the MTP layer's forward stubbed too,
+    under the adaptive policy (its per-step work included) reading a cost table on which every draft costs
+    two plain steps, so that it picks k = 0 at every step (probes off); ``keep_mtp``: the policy says
+    speculation could pay (full backlogs are drained), else that it cannot (they are dropped,
+    glm5.engine.spec_batched)."""
     from glm5.engine.args import EngineArgs
     from glm5.engine.llm_engine import LLMEngine
-    from glm5.engine.spec_policy import FixedK
+    from glm5.engine.spec_policy import AdaptiveK, SpecCostModel
     from glm5.layers.glm5 import ModelOutput
     from glm5.sampling_params import SamplingParams
     eng = LLMEngine(EngineArgs(model=str(ckpt), max_num_seqs=batch, max_model_len=8192, cache_memory_gb=1.0,
@@ -136,7 +138,9 @@ def decoding_engine(batch: int, mode: str, ckpt: Path, speculative: int = 0, kee
     if speculative:
         if eng.spec is None:
             raise RuntimeError("the engine runs no batched speculation; --decode-path batched and an MTP layer needed")
-        eng.k_policy = FixedK(0)
+        cost = SpecCostModel(eng.model_config, {k: [(1, 1e-3 * (1 + 2 * k)), (batch + 1, 1e-3 * (1 + 2 * k))]
+                                                for k in range(speculative + 1)})
+        eng.k_policy = AdaptiveK(speculative, cost, probe_every=0)
         eng.k_policy.keeps_mtp = lambda b: keep_mtp
         hidden_size = eng.model_config.text.hidden_size
 

@@ -64,6 +64,26 @@ def test_adaptive_k_picks_zero_where_speculation_loses(tmp_path, real_cfg):
     assert cost.round_s(8, 1) < between < cost.round_s(64, 1)
 
 
+def test_decisions_are_worked_out_once_per_acceptance_estimate(tmp_path, real_cfg, monkeypatch):
+    """The policy runs on every decode step: the byte model is evaluated once per (batch, k), and the best k and
+    whether the MTP layer could pay are derived again only when a verification changed the acceptance estimate
+    (a step at k = 0 decides by lookups), yet still follow it when it changes."""
+    calls = []
+    model = SpecCostModel(real_cfg)
+    modelled = model.modelled_s
+    monkeypatch.setattr(model, "modelled_s", lambda b, k: (calls.append((b, k)), modelled(b, k))[1])
+    assert model.round_s(5, 2) == model.round_s(5, 2) and calls == [(5, 2)]
+    cost = SpecCostModel.load(_table(tmp_path, 0.01, {1: 0.6, 8: 0.4, 64: 0.05}), real_cfg)
+    policy = AdaptiveK(3, cost, tracker=AcceptanceTracker(3, prior=0.2))
+    rates = []
+    monkeypatch.setattr(policy.tracker, "rates", lambda r=policy.tracker.rates: (rates.append(1), r())[1])
+    assert [policy.choose(1) for _ in range(5)] == [0] * 5 and len(rates) == policy.k_max + 1  # one best()
+    assert policy.keeps_mtp(1) == policy.keeps_mtp(1)
+    for _ in range(40):   # every draft accepted: the estimate moves and the choice with it
+        policy.observe_step([(3, 3)])
+    assert policy.best(1) == 3 and len(rates) == 2 * (policy.k_max + 1)
+
+
 def _drive(policy: AdaptiveK, steps: int, batch: int, plain_s: float, probe_step_s: float) -> list[int]:
     """The engine's calls per step: choose the next k, then the step's wall time (a probe's two steps, its
     catch-up + drafts and its verification, take ``probe_step_s`` each)."""

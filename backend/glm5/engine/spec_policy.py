@@ -135,7 +135,10 @@ def forward_passes(k: int) -> int:
 
 @dataclass
 class SpecCostModel:
-    """Seconds of one round per (batch, k): measured points, else the byte model."""
+    """Seconds of one round per (batch, k): measured points, else the byte model.
+
+    The model does not change once made, so each ``(batch, k)`` is worked out once (:meth:`round_s` runs on
+    every decode step, several times: the byte model alone costs tens of µs of host time per call)."""
 
     cfg: ModelConfig
     measured: dict[int, list[tuple[int, float]]] = field(default_factory=dict)   # k -> sorted (batch, seconds)
@@ -146,12 +149,20 @@ class SpecCostModel:
 
     def __post_init__(self) -> None:
         self.weights = WeightBytes.from_config(self.cfg)
+        self._rounds: dict[tuple[int, int], float] = {}
 
     def modelled_s(self, batch: int, k: int) -> float:
         b = round_bytes(self.cfg, self.weights, batch, k, self.ctx, self.draft_vocab)["total"]
         return b / self.bandwidth + forward_passes(k) * self.pass_overhead_s
 
     def round_s(self, batch: int, k: int) -> float:
+        key = (batch, k)
+        secs = self._rounds.get(key)
+        if secs is None:
+            secs = self._rounds[key] = self._round_s(batch, k)
+        return secs
+
+    def _round_s(self, batch: int, k: int) -> float:
         pts = self.measured.get(k)
         if not pts:
             return self.modelled_s(batch, k)
@@ -188,17 +199,22 @@ class SpecCostModel:
 
 
 class AcceptanceTracker:
-    """Running conditional acceptance per draft position (exponentially weighted, prior ``prior``)."""
+    """Running conditional acceptance per draft position (exponentially weighted, prior ``prior``).
+
+    ``version`` counts the steps that changed the estimate: a policy keeps what it derived from the rates
+    until it changes (most decode steps at ``k = 0`` verify nothing)."""
 
     def __init__(self, k_max: int, decay: float = 0.98, prior: float = 0.5, prior_weight: float = 2.0):
         self.k_max, self.decay, self.prior, self.prior_weight = k_max, decay, prior, prior_weight
         self.proposed = [0.0] * k_max
         self.accepted = [0.0] * k_max
+        self.version = 0
 
     def observe_step(self, results: list[tuple[int, int]]) -> None:
         """One verification step: ``(drafts, accepted)`` per request."""
         if not results:
             return
+        self.version += 1
         self.proposed = [p * self.decay for p in self.proposed]
         self.accepted = [a * self.decay for a in self.accepted]
         for drafts, accepted in results:
@@ -274,13 +290,28 @@ class AdaptiveK:
         self._drain_rounds = 2.0                   # a drain step's excess in k = 1 rounds (smoothed)
         self.drains = 0
         self.drain_spent_s = 0.0    # drain steps' time beyond what plain steps would have taken
+        # per batch size, what depends on the acceptance estimate alone (best k, whether the MTP layer could
+        # pay), kept while the tracker's version stays the same: a step at k = 0 then decides by dict lookups
+        self._derived: dict[tuple[str, int], object] = {}
+        self._derived_version = -1
 
     def throughput(self, batch: int, k: int) -> float:
         """Tokens per second per request the model predicts for ``k`` drafts at ``batch`` requests."""
         return expected_tokens(self.tracker.rates(), k) / self.cost.round_s(batch, k)
 
     def best(self, batch: int) -> int:
-        return max(range(self.k_max + 1), key=lambda k: (self.throughput(batch, k), -k))
+        return self._per_version("best", batch, lambda: max(range(self.k_max + 1),
+                                                            key=lambda k: (self.throughput(batch, k), -k)))
+
+    def _per_version(self, what: str, batch: int, compute):
+        """``compute()``, kept per ``(what, batch)`` until the acceptance estimate changes."""
+        if self._derived_version != self.tracker.version:
+            self._derived.clear()
+            self._derived_version = self.tracker.version
+        key = (what, batch)
+        if key not in self._derived:
+            self._derived[key] = compute()
+        return self._derived[key]
 
     def can_pay(self, batch: int, rates: list[float] | None = None) -> bool:
         """Whether any ``k > 0`` would beat ``k = 0`` at this batch size at acceptance ``rates`` (default: every
@@ -302,7 +333,8 @@ class AdaptiveK:
         to learn otherwise, drained every backlog (one drain per ``MAX_BACKLOG`` steps; the adaptive engine
         decoded at 0.91x of one without MTP at b1 on an H100, trained tiny checkpoint, 2026-12-06)."""
         funded = self.credit_s >= self.drain_cost_s(batch) or self.drains == 0
-        return funded and self.can_pay(batch, self.tracker.optimistic_rates())
+        return funded and self._per_version("keeps", batch,
+                                            lambda: self.can_pay(batch, self.tracker.optimistic_rates()))
 
     def drain_cost_s(self, batch: int) -> float:
         """What a drain step at ``batch`` requests is expected to cost beyond a plain step."""
@@ -315,7 +347,8 @@ class AdaptiveK:
     def _may_probe(self, batch: int) -> bool:
         if not self.probe_every or self._steps_at_zero < self.probe_every or self._probe_steps:
             return False
-        return self.credit_s >= self.probe_cost_s(batch) and self.can_pay(batch)
+        return self.credit_s >= self.probe_cost_s(batch) and self._per_version("pays", batch,
+                                                                                 lambda: self.can_pay(batch))
 
     def choose(self, batch: int, may_probe: bool = True) -> int:
         """The next step's k (class docstring: the probes while it is 0)."""
