@@ -18,6 +18,9 @@ All of it runs on the host between CUDA-graph replays. Timed on the CPU (no GPU 
   (the adaptive policy's choice where speculation does not pay), model and MTP forwards stubbed, against the
   engine without MTP: what the speculative engine's k = 0 step adds on the host, per step and in the steps
   that drain each request's MTP backlog (every ``MAX_BACKLOG`` steps), whole and by part.
+* A full garbage collection in a process holding an engine, with its start-up heap as it is and frozen
+  (``glm5.engine.heap``, as the serving processes do), and for each the collections over 30 x ``--engine-steps``
+  steps of 32 requests of 16 tokens, each finished request replaced by a new one.
 * One seeded row's draw over GLM-5.3-Flash's vocabulary from a CPU generator: what a seeded request would
   pay on the host per token with its generator on the CPU (the engine makes each one on its own device).
 * ``IncrementalDetokenizer.add_tokens`` per token, through ``tokenizers``' streaming decoder (a fast HF
@@ -227,20 +230,92 @@ def time_spec_k0(batch: int, steps: int, ckpt: Path) -> dict:
     proportion): mean and median ms, the slow steps (the drains), and ms per step of each part. Two
     speculative engines: ``spec_k0`` keeps the MTP layer's history (its policy says speculation could pay at
     this batch size, so full backlogs are drained), ``spec_k0_drop`` is told it cannot (full backlogs are
-    dropped and the MTP layer stops following the requests)."""
+    dropped and the MTP layer stops following the requests, which then step as cheaply as without MTP); so the
+    steps before the first full backlog, where every request holds one (as each new request does for its first
+    ``MAX_BACKLOG`` steps), are also timed apart."""
     from glm5.engine.spec_batched import MAX_BACKLOG
     engines = {"plain": (decoding_engine(batch, "greedy", ckpt), ENGINE_PARTS),
                "spec_k0": (decoding_engine(batch, "greedy", ckpt, 3), ENGINE_PARTS + SPEC_PARTS),
                "spec_k0_drop": (decoding_engine(batch, "greedy", ckpt, 3, keep_mtp=False), ENGINE_PARTS + SPEC_PARTS)}
-    out: dict = {"batch": batch, "steps": steps, "max_backlog": MAX_BACKLOG, "interleaved": True}
-    for name, (ts, spent) in _time_steps(engines, steps).items():
+    warmup = 10
+    # the timed steps before the first full backlog (the requests' rows since their prompts: the warm-up's, then
+    # these): every request still holds a backlog, as in the first MAX_BACKLOG steps of any new request
+    first = MAX_BACKLOG - warmup - 1
+    out: dict = {"batch": batch, "steps": steps, "max_backlog": MAX_BACKLOG, "interleaved": True,
+                 "before_first_drop_steps": first}
+    for name, (ts, spent) in _time_steps(engines, steps, warmup).items():
         assert len(engines[name][0].scheduler.running) == batch, "a request left the batch during the timing"
         med = statistics.median(ts)
         out[name] = {"mean_ms": statistics.fmean(ts) * 1e3, "median_ms": med * 1e3,
+                     "before_first_drop_mean_ms": statistics.fmean(ts[:first]) * 1e3,
                      "slow_steps": sum(t > 3 * med for t in ts), "max_ms": max(ts) * 1e3,
                      "parts_ms": {k: v / steps * 1e3 for k, v in spent.items()}}
     out["mean_ratio"] = out["spec_k0"]["mean_ms"] / out["plain"]["mean_ms"]
     out["drop_mean_ratio"] = out["spec_k0_drop"]["mean_ms"] / out["plain"]["mean_ms"]
+    out["before_first_drop_ratio"] = (out["spec_k0_drop"]["before_first_drop_mean_ms"]
+                                      / out["plain"]["before_first_drop_mean_ms"])
+    return out
+
+
+def time_gc(batch: int, steps: int, ckpt: Path, tokens: int = 16) -> dict:
+    """What a full garbage collection costs in a process holding an engine (the stall it puts between two decode
+    steps when the collector's thresholds call one), with the start-up heap as it is and frozen
+    (glm5.engine.heap, what the serving processes do); and, for each, the collections of every generation and
+    their longest time over ``steps`` engine steps (forward stubbed) of a churning batch: ``batch`` requests of
+    ``tokens`` tokens each, a new one added as each finishes (so request objects keep reaching the oldest
+    generation, as in a server)."""
+    import gc
+
+    from glm5.engine.heap import freeze_startup_heap, unfreeze_heap
+    from glm5.sampling_params import SamplingParams
+
+    eng = decoding_engine(batch, "greedy", ckpt)
+    for i in range(batch):
+        eng.abort(f"r{i}")
+    prompt = list(range(100, 132))
+    added = [0]
+
+    def add() -> None:
+        eng.add_request(f"c{added[0]}", prompt, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+        added[0] += 1
+
+    def full_ms() -> float:
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            gc.collect()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    def churn() -> dict:
+        spent: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        started = [0.0]
+
+        def on_gc(phase: str, info: dict) -> None:
+            if phase == "start":
+                started[0] = time.perf_counter()
+            else:
+                spent[info["generation"]].append(time.perf_counter() - started[0])
+        gc.callbacks.append(on_gc)
+        try:
+            for _ in range(steps):
+                while len(eng.scheduler.running) + len(eng.scheduler.waiting) < batch:
+                    add()
+                eng.step()
+        finally:
+            gc.callbacks.remove(on_gc)
+        return {str(g): {"count": len(t), "max_ms": max(t, default=0.0) * 1e3} for g, t in spent.items()}
+
+    out = {"batch": batch, "steps": steps, "tokens_per_request": tokens, "tracked_objects": len(gc.get_objects()),
+           "full_collection_ms": full_ms()}
+    out["collections"] = churn()
+    out["frozen_objects"] = freeze_startup_heap()
+    try:
+        out["full_collection_frozen_ms"] = full_ms()
+        out["collections_frozen"] = churn()
+    finally:
+        unfreeze_heap()
+    out["requests"] = added[0]
     return out
 
 
@@ -300,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             row = time_spec_k0(b, args.spec_steps, ckpt)
             out["spec_k0"].append(row)
             print(json.dumps(row), flush=True)
+        out["gc"] = time_gc(32, args.engine_steps * 30, ckpt)
+        print(json.dumps(out["gc"]), flush=True)
     out["cpu_generator_draw_us"] = {"vocab": REAL_VOCAB, "us_per_row": time_cpu_generator_draw()}
     print(json.dumps(out["cpu_generator_draw_us"]), flush=True)
     out["detokenizer"] = time_detokenizer(args.tokenizer)

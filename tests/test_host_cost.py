@@ -41,4 +41,5 @@ def test_the_speculative_k0_comparison_times_both_engines_and_a_drain(tiny_check
     assert set(spec) == set(drop) == {label for label, _ in host_cost.ENGINE_PARTS + host_cost.SPEC_PARTS}
     assert spec["propose"] > 0 and spec["drain"] > 0, spec
     assert drop["propose"] > 0 and drop["drain"] == 0, drop     # the full backlogs were dropped, not drained
-    assert row["mean_ratio"] > 0 and row["drop_mean_ratio"] > 0
+    assert row["mean_ratio"] > 0 and row["drop_mean_ratio"] > 0 and row["before_first_drop_ratio"] > 0
+    assert 0 < row["before_first_drop_steps"] < row["max_backlog"]

@@ -301,3 +301,12 @@ def test_image_base64_over_http_is_decoded_like_raw_bytes():
     assert decode_media_item(png, name="image", index=0) == png
     assert decode_media_item(base64.b64encode(png), name="image", index=0) == png
     assert decode_media_item(b"data:image/png;base64," + base64.b64encode(png), name="image", index=0) == png
+
+
+def test_model_process_froze_its_start_up_heap(server):
+    """The model's stub moved what start-up made out of the garbage collector's walk (glm5.engine.heap): the
+    log line is written after the engine and the backend's threads exist, with the count it froze."""
+    text = Path(server.log_file).read_text(errors="replace")
+    m = re.search(r"start-up heap frozen: (\d+) objects", text)
+    assert m is not None, text[-3000:]
+    assert int(m.group(1)) > 100_000   # torch, transformers and the engine: several hundred thousand objects

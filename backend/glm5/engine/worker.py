@@ -25,6 +25,7 @@ import torch
 
 from glm5.engine.executor import READY_PREFIX, SETUP_KEY, STARTUP_TIMEOUT_S, WorkerSetup, build_rank_runner, \
     cpu_threads, gather_status, rank_device
+from glm5.engine.heap import freeze_startup_heap, unfreeze_heap
 from glm5.engine.model_runner import ModelRunner
 
 logger = logging.getLogger("glm5.worker")
@@ -140,6 +141,7 @@ def main() -> int:
         return 1
     assert runner is not None
     logger.info("rank %d ready on %s", rank, device)
+    freeze_startup_heap()   # a full collection on one rank would stall the world (glm5.engine.heap)
     state = WorkerState()
     try:
         with torch.no_grad():
@@ -154,6 +156,7 @@ def main() -> int:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
+    unfreeze_heap()
     return 0
 
 
