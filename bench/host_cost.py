@@ -18,6 +18,8 @@ All of it runs on the host between CUDA-graph replays. Timed on the CPU (no GPU 
   (the adaptive policy's choice where speculation does not pay), model and MTP forwards stubbed, against the
   engine without MTP: what the speculative engine's k = 0 step adds on the host, per step and in the steps
   that drain each request's MTP backlog (every ``MAX_BACKLOG`` steps), whole and by part.
+* The adaptive speculation policy's own work per decode step (choose k, keep or drop a full backlog, take the
+  step's time), with a measured-like cost table and with the byte model.
 * A full garbage collection in a process holding an engine, with its start-up heap as it is and frozen
   (``glm5.engine.heap``, as the serving processes do), and for each the collections over 30 x ``--engine-steps``
   steps of 32 requests of 16 tokens, each finished request replaced by a new one.
@@ -319,6 +321,31 @@ def time_gc(batch: int, steps: int, ckpt: Path, tokens: int = 16) -> dict:
     return out
 
 
+def time_policy(batches: list[int], calls: int = 2000) -> dict:
+    """µs per decode step of the adaptive policy's own work (``choose`` the next k, ``keeps_mtp`` for a full
+    backlog, ``observe_time`` of the step) at each batch size, on the real config, with round costs from a
+    measured-like table and from the byte model (no table), the acceptance estimate unchanged between steps
+    (a step at k = 0 verifies nothing)."""
+    from glm5.config import ModelConfig
+    from glm5.engine.spec_policy import AdaptiveK, SpecCostModel
+
+    cfg = ModelConfig.from_pretrained(str(ROOT / "tests" / "fixtures" / "glm5_3_flash_config.json"))
+    table = {k: [(b, 1e-3 * b ** 0.5 * (1 + 0.8 * k)) for b in (1, 8, 64)] for k in range(4)}
+    out: dict = {"calls": calls}
+    for name, cost in (("table", SpecCostModel(cfg, table)), ("byte_model", SpecCostModel(cfg))):
+        policy = AdaptiveK(3, cost)
+        rows = []
+        for b in batches:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                policy.choose(b)
+                policy.keeps_mtp(b)
+                policy.observe_time(1e-3, b, plain=True)
+            rows.append({"batch": b, "us_per_step": (time.perf_counter() - t0) / calls * 1e6})
+        out[name] = rows
+    return out
+
+
 def time_cpu_generator_draw(vocab: int = REAL_VOCAB, reps: int = 50) -> float:
     """µs of one seeded row's Exp(1) draw over ``vocab`` tokens from a CPU generator (a seeded request's
     host cost per sampled token were its generator on the CPU)."""
@@ -375,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
             row = time_spec_k0(b, args.spec_steps, ckpt)
             out["spec_k0"].append(row)
             print(json.dumps(row), flush=True)
+        out["policy"] = time_policy(sorted({1, *args.spec_batches}))
+        print(json.dumps(out["policy"]), flush=True)
         out["gc"] = time_gc(32, args.engine_steps * 30, ckpt)
         print(json.dumps(out["gc"]), flush=True)
     out["cpu_generator_draw_us"] = {"vocab": REAL_VOCAB, "us_per_row": time_cpu_generator_draw()}
