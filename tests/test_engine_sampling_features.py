@@ -119,6 +119,8 @@ def test_bad_words_ban_the_word_in_context(tiny_checkpoint_dir):
     assert torch.isinf(logits[0, 3]) and torch.isinf(logits[0, 2]) and not torch.isinf(logits[1]).any()
     fresh = apply_bad_words(torch.zeros(1, 10), [[[4, 2]]], [[5, 1]])
     assert not torch.isinf(fresh).any()      # the output does not end with 4: this word leaves 2 allowed
+    short = apply_bad_words(torch.zeros(1, 10), [[[7, 8, 9]]], [[8]])
+    assert not torch.isinf(short).any()      # an output shorter than the word's other tokens ends with none of them
 
     eng = make_engine(tiny_checkpoint_dir)
     g = dict(temperature=0.0, max_tokens=6, ignore_eos=True)

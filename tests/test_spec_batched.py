@@ -292,28 +292,41 @@ def test_backlog_drains_replay_their_graphs_and_draft_as_eager_on_cpu(pair, monk
     assert not runs[False][3]
 
 
+@pytest.mark.parametrize("word_tokens", [1, 2])
 @pytest.mark.parametrize("decode_path", ["batched", "per_request"])
-def test_bad_words_hold_in_verified_and_plain_rows(pair, monkeypatch, decode_path):
+def test_bad_words_hold_in_verified_and_plain_rows(pair, monkeypatch, decode_path, word_tokens):
     """``bad_words`` with MTP speculation on: k = 3 gives k = 0's tokens under the same bad words, in a batch of a
     request with bad words (it drafts; each verification row bans the words against its output plus the drafts
     before it), one with logprobs (no drafts: the plain sampler of a verification step) and a plain one; and with
     the policy at k = 0 (the whole step on the plain sampler). Batched path: the drafts are forced from the
-    reference, so most are accepted and a verification row decides the first token the ban changes."""
+    reference, so most are accepted and a verification row decides the first token the ban changes. The word is
+    one token of the free output (banned anywhere), or two consecutive ones (the second banned after the first,
+    which a verification row may have seen as a draft)."""
+    import glm5.engine.llm_engine as llm_engine
+
     ckpt, _ = pair
     prompts = [random_prompt(n, VOCAB, seed=700 + n) for n in (5, 17, 23)]
     n_new = 16
     base = engine(ckpt, decode_path=decode_path)
     free = base.generate(prompts[:1], greedy(n_new))[0].token_ids
-    # a word one of whose tokenizations is a single token of the free output past its start (banned anywhere)
-    word = next(w for t in free[4:] if (w := base.tokenizer.decode([t]).strip()) and w.isalpha()
-                and [t] in bad_word_token_ids(base.tokenizer, [w]))
-    banned = bad_word_token_ids(base.tokenizer, [word])
+    if word_tokens == 1:   # a word one of whose tokenizations is a single token of the free output past its start
+        word = next(w for t in free[4:] if (w := base.tokenizer.decode([t]).strip()) and w.isalpha()
+                    and [t] in bad_word_token_ids(base.tokenizer, [w]))
+        banned = bad_word_token_ids(base.tokenizer, [word])
+    else:                  # the engine's tokenization of the word replaced by two tokens of the free output
+        word, banned = "pair", [free[6:8]]
+
+    def ban() -> None:
+        if word_tokens == 2:
+            monkeypatch.setattr(llm_engine, "bad_word_token_ids", lambda tok, words: banned if words == [word] else [])
+    ban()
     params = [SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True, bad_words=[word]),
               SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True, logprobs=1), greedy(n_new)]
-    ref = [o.token_ids for o in base.generate(prompts, params)]
+    ref = [o.token_ids for o in engine(ckpt, decode_path=decode_path).generate(prompts, params)]
     assert ref[0] != free
     assert not any(ref[0][i:i + len(ids)] == ids for ids in banned for i in range(len(ref[0])))
     for k_policy in ("k3", "k0"):
+        ban()
         eng = engine(ckpt, decode_path=decode_path, num_speculative_tokens=3)
         if k_policy == "k0":
             eng.k_policy = ScriptedK([0])

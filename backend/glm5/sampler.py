@@ -210,10 +210,13 @@ def apply_bad_words(logits: torch.Tensor, bad_words_token_ids: Sequence[Sequence
     """Ban (``-inf``, in place) the last token of each bad-word sequence whose other tokens end the
     row's output so far."""
     for i, seqs in enumerate(bad_words_token_ids):
-        out = list(output_token_ids[i])
-        for ids in seqs or ():
-            prefix = list(ids[:-1])
-            if not prefix or out[len(out) - len(prefix):] == prefix:
+        if not seqs:   # (most rows: no copy of their output)
+            continue
+        out = output_token_ids[i]
+        n = len(out)
+        for ids in seqs:
+            k = len(ids) - 1
+            if k == 0 or (n >= k and list(out[n - k:]) == list(ids[:-1])):
                 logits[i, ids[-1]] = float("-inf")
     return logits
 

@@ -45,7 +45,8 @@ def unfreeze_heap() -> None:
 def frozen_heap() -> Iterator[int]:
     """:func:`freeze_startup_heap` for the block (yields the frozen count), :func:`unfreeze_heap` after it: for a
     benchmark or test that times engines built in its own process as a server process runs them (a full
-    collection of the unfrozen heap inside a timed pass of a few hundred ms is noise of the same size)."""
+    collection of the unfrozen heap inside a timed pass of a few hundred ms is noise of the same size). Not
+    nested: the inner block's end would unfreeze the outer block's objects too (``gc.unfreeze`` is global)."""
     try:
         yield freeze_startup_heap()
     finally:

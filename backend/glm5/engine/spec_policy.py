@@ -293,7 +293,7 @@ class AdaptiveK:
         # per batch size, what depends on the acceptance estimate alone (best k, whether the MTP layer could
         # pay), kept while the tracker's version stays the same: a step at k = 0 then decides by dict lookups
         self._derived: dict[tuple[str, int], object] = {}
-        self._derived_version = -1
+        self._derived_version: tuple[int, int] | None = None   # (the tracker's id, its version)
 
     def throughput(self, batch: int, k: int) -> float:
         """Tokens per second per request the model predicts for ``k`` drafts at ``batch`` requests."""
@@ -305,9 +305,10 @@ class AdaptiveK:
 
     def _per_version(self, what: str, batch: int, compute):
         """``compute()``, kept per ``(what, batch)`` until the acceptance estimate changes."""
-        if self._derived_version != self.tracker.version:
+        version = (id(self.tracker), self.tracker.version)
+        if self._derived_version != version:
             self._derived.clear()
-            self._derived_version = self.tracker.version
+            self._derived_version = version
         key = (what, batch)
         if key not in self._derived:
             self._derived[key] = compute()

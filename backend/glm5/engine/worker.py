@@ -71,6 +71,7 @@ def apply(runner: ModelRunner, state: WorkerState, op: tuple) -> bool:
         runner.restore_mtp_tails(op[1], state.mtp_tails)
     elif kind == "capture":
         runner.capture_cuda_graphs(op[1])
+        freeze_startup_heap()   # what the capture made joins the frozen start-up heap
     elif kind == "rebalance":
         runner.rebalance_experts()
     elif kind == "call":
