@@ -421,9 +421,9 @@ class TritonPythonModel:
             interval = float(params.get("metrics_interval_ms") or 200) / 1000.0
             self._metrics = _Metrics(labels, self.engine, interval,
                                      int(getattr(self.engine_args, "max_model_len", 4096)))
-        from glm5.engine.heap import freeze_startup_heap
+        from glm5.heap import freeze_startup_heap
 
-        freeze_startup_heap()   # what start-up made stays out of every full garbage collection (glm5.engine.heap)
+        freeze_startup_heap()   # what start-up made stays out of every full garbage collection (glm5.heap)
 
     def _load_error_types(self) -> None:
         """Exception types that mean "bad request" (INVALID_ARG) rather than a server fault, and the
@@ -530,7 +530,7 @@ class TritonPythonModel:
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._metrics is not None:
             self._metrics.close()
-        from glm5.engine.heap import unfreeze_heap
+        from glm5.heap import unfreeze_heap
 
         unfreeze_heap()
 

@@ -21,7 +21,7 @@ All of it runs on the host between CUDA-graph replays. Timed on the CPU (no GPU 
 * The adaptive speculation policy's own work per decode step (choose k, keep or drop a full backlog, take the
   step's time), with a measured-like cost table and with the byte model.
 * A full garbage collection in a process holding an engine, with its start-up heap as it is and frozen
-  (``glm5.engine.heap``, as the serving processes do), and for each the collections over 30 x ``--engine-steps``
+  (``glm5.heap``, as the serving processes do), and for each the collections over 30 x ``--engine-steps``
   steps of 32 requests of 16 tokens, each finished request replaced by a new one.
 * One seeded row's draw over GLM-5.3-Flash's vocabulary from a CPU generator: what a seeded request would
   pay on the host per token with its generator on the CPU (the engine makes each one on its own device).
@@ -262,13 +262,13 @@ def time_spec_k0(batch: int, steps: int, ckpt: Path) -> dict:
 def time_gc(batch: int, steps: int, ckpt: Path, tokens: int = 16) -> dict:
     """What a full garbage collection costs in a process holding an engine (the stall it puts between two decode
     steps when the collector's thresholds call one), with the start-up heap as it is and frozen
-    (glm5.engine.heap, what the serving processes do); and, for each, the collections of every generation and
+    (glm5.heap, what the serving processes do); and, for each, the collections of every generation and
     their longest time over ``steps`` engine steps (forward stubbed) of a churning batch: ``batch`` requests of
     ``tokens`` tokens each, a new one added as each finishes (so request objects keep reaching the oldest
     generation, as in a server)."""
     import gc
 
-    from glm5.engine.heap import freeze_startup_heap, unfreeze_heap
+    from glm5.heap import freeze_startup_heap, unfreeze_heap
     from glm5.sampling_params import SamplingParams
 
     eng = decoding_engine(batch, "greedy", ckpt)

@@ -19,7 +19,7 @@ import torch
 
 from glm5 import trained_tiny_checkpoint as trained_tiny
 from glm5.engine import EngineArgs, LLMEngine
-from glm5.engine.heap import frozen_heap
+from glm5.heap import frozen_heap
 from glm5.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -110,7 +110,7 @@ def _round_times(ckpt: Path, batch: int, prompts: list[list[int]]) -> dict[int, 
     while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
         eng.step()
     out = {}
-    with frozen_heap():   # as in a serving process (glm5.engine.heap): no full collection inside a timed step
+    with frozen_heap():   # as in a serving process (glm5.heap): no full collection inside a timed step
         for k in range(4):
             eng.k_policy = FixedK(k)
             for _ in range(3):

@@ -1,11 +1,11 @@
-"""glm5.engine.heap: a long-running engine process freezes its start-up objects, so a full garbage collection
+"""glm5.heap: a long-running engine process freezes its start-up objects, so a full garbage collection
 walks only what requests allocated since."""
 
 from __future__ import annotations
 
 import gc
 
-from glm5.engine.heap import freeze_startup_heap, unfreeze_heap
+from glm5.heap import freeze_startup_heap, unfreeze_heap
 
 
 class _Cycle:
@@ -32,7 +32,7 @@ def test_frozen_start_up_heap_leaves_full_collections_only_new_objects():
 
 
 def test_frozen_heap_block_unfreezes_after_an_error():
-    from glm5.engine.heap import frozen_heap
+    from glm5.heap import frozen_heap
 
     try:
         with frozen_heap() as frozen:

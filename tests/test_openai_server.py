@@ -317,3 +317,12 @@ def test_concurrent_streams_do_not_mix(stack):
     for t in threads:
         t.join(60)
     assert [got[i] for i in range(4)] == ref
+
+
+def test_front_process_froze_its_start_up_heap(stack):
+    """The OpenAI front loads the tokenizer (transformers, torch), then freezes what start-up made (glm5.heap),
+    so that a full garbage collection does not hold every stream's next event."""
+    text = Path(stack["oa"].log_file).read_text(errors="replace")
+    m = re.search(r"start-up heap frozen: (\d+) objects", text)
+    assert m is not None, text[-3000:]
+    assert int(m.group(1)) > 50_000

@@ -85,7 +85,7 @@ def test_tp4_matches_single_process(tiny_checkpoint_dir, reference):
         # own KDA heads (the driver's snapshot copies are replayed on the workers)
         assert [o.token_ids for o in eng.generate(PROMPTS, greedy())] == reference
         assert sum(eng.kv.hits_by_kind.values()) > 0
-        for rank in (1, 2, 3):   # every worker rank froze its start-up heap once ready (glm5.engine.heap)
+        for rank in (1, 2, 3):   # every worker rank froze its start-up heap once ready (glm5.heap)
             assert "start-up heap frozen" in eng.runner.workers.log_tail(rank, 400), rank
     finally:
         shut_and_check(eng)

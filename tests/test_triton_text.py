@@ -304,7 +304,7 @@ def test_image_base64_over_http_is_decoded_like_raw_bytes():
 
 
 def test_model_process_froze_its_start_up_heap(server):
-    """The model's stub moved what start-up made out of the garbage collector's walk (glm5.engine.heap): the
+    """The model's stub moved what start-up made out of the garbage collector's walk (glm5.heap): the
     log line is written after the engine and the backend's threads exist, with the count it froze."""
     text = Path(server.log_file).read_text(errors="replace")
     m = re.search(r"start-up heap frozen: (\d+) objects", text)

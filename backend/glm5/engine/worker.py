@@ -25,8 +25,8 @@ import torch
 
 from glm5.engine.executor import READY_PREFIX, SETUP_KEY, STARTUP_TIMEOUT_S, WorkerSetup, build_rank_runner, \
     cpu_threads, gather_status, rank_device
-from glm5.engine.heap import freeze_startup_heap, unfreeze_heap
 from glm5.engine.model_runner import ModelRunner
+from glm5.heap import freeze_startup_heap, unfreeze_heap
 
 logger = logging.getLogger("glm5.worker")
 
@@ -142,7 +142,7 @@ def main() -> int:
         return 1
     assert runner is not None
     logger.info("rank %d ready on %s", rank, device)
-    freeze_startup_heap()   # a full collection on one rank would stall the world (glm5.engine.heap)
+    freeze_startup_heap()   # a full collection on one rank would stall the world (glm5.heap)
     state = WorkerState()
     try:
         with torch.no_grad():
