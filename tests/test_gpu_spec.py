@@ -124,6 +124,48 @@ def _round_times(ckpt: Path, batch: int, prompts: list[list[int]]) -> dict[int, 
     return out
 
 
+def _profile_decode(eng: LLMEngine, prompts: list[list[int]], path: Path, steps: int = 16, tag: str = "prof") -> dict:
+    """``steps`` decode steps of a fresh batch (the adaptive engine's at k = 0 with every request holding an MTP
+    backlog, as in the first 64 steps of any request) under the torch profiler (CUDA and host ops) and, apart,
+    under cProfile (the engine's Python functions): what tells two engines' steps apart where their tok/s differ.
+    Writes both tables to ``path``; returns the steps' wall times."""
+    import cProfile
+    import io
+    import pstats
+
+    for i, p in enumerate(prompts):
+        eng.add_request(f"{tag}{i}", p, _greedy(2 * steps + 8))
+    while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
+        eng.step()
+    for _ in range(2):
+        eng.step()
+    torch.cuda.synchronize()
+    walls = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            eng.step()
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t0)
+    py = cProfile.Profile()
+    py.enable()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    py.disable()
+    while eng.has_unfinished():
+        eng.step()
+    text = io.StringIO()
+    pstats.Stats(py, stream=text).sort_stats("tottime").print_stats(40)
+    ka = prof.key_averages()
+    path.write_text(f"step wall ms (torch profiler on): {[round(w * 1e3, 3) for w in walls]}\n\n"
+                    + ka.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n"
+                    + ka.table(sort_by="self_cuda_time_total", row_limit=20) + "\n\ncProfile, next "
+                    + f"{steps} steps:\n" + text.getvalue())
+    return {"step_ms": [w * 1e3 for w in walls], "table": path.name}
+
+
 N_ADAPTIVE = 96   # tokens per request: past MAX_BACKLOG (64) steps at k = 0, so a backlog drain (or drop) is inside
 ADAPTIVE_PASSES = 4
 
@@ -172,6 +214,9 @@ def test_adaptive_k_never_below_k0_tok_s(ckpt, prompts, adaptive_cost_table, b):
     print(f"batch {b}: k=0 {plain:.0f} tok/s, adaptive {adaptive:.0f} tok/s, passes {runs}, rounds {times[b]}, "
           f"MTP dropped for {result['stats']['mtp_dropped']} requests, {pol.probes} probes")
     out = os.environ.get("GLM5_DIAG_OUT")
-    if out:
+    if out:   # the diagnosis a failure needs, taken either way (both engines' k = 0 steps, profiled alike)
+        with frozen_heap():
+            result["profiles"] = {name: _profile_decode(e, batch, Path(out, f"spec_adaptive_b{b}_{name}.txt"))
+                                  for name, e in (("plain", base), ("adaptive", eng))}
         Path(out, f"spec_adaptive_b{b}.json").write_text(json.dumps(result, indent=1, default=str))
     assert adaptive >= 0.95 * plain, result
