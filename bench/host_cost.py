@@ -268,7 +268,7 @@ def time_gc(batch: int, steps: int, ckpt: Path, tokens: int = 16) -> dict:
     generation, as in a server)."""
     import gc
 
-    from glm5.heap import freeze_startup_heap, unfreeze_heap
+    from glm5.heap import frozen_heap
     from glm5.sampling_params import SamplingParams
 
     eng = decoding_engine(batch, "greedy", ckpt)
@@ -311,12 +311,10 @@ def time_gc(batch: int, steps: int, ckpt: Path, tokens: int = 16) -> dict:
     out = {"batch": batch, "steps": steps, "tokens_per_request": tokens, "tracked_objects": len(gc.get_objects()),
            "full_collection_ms": full_ms()}
     out["collections"] = churn()
-    out["frozen_objects"] = freeze_startup_heap()
-    try:
+    with frozen_heap() as frozen:
+        out["frozen_objects"] = frozen
         out["full_collection_frozen_ms"] = full_ms()
         out["collections_frozen"] = churn()
-    finally:
-        unfreeze_heap()
     out["requests"] = added[0]
     return out
 

@@ -85,12 +85,17 @@ def test_speculative_graph_replay_equals_eager(ckpt, prompts):
     assert runs[False][1] == runs[True][1]
 
 
-def _decode_tok_s(eng: LLMEngine, prompts: list[list[int]], n: int, tag: str = "t") -> float:
-    """Generated tokens per second of the decode phase (prefill steps excluded from the timed window)."""
+def _start_decoding(eng: LLMEngine, prompts: list[list[int]], n: int, tag: str) -> None:
+    """Add one greedy request of ``n`` tokens per prompt and run their prompts: the next step decodes."""
     for i, p in enumerate(prompts):
         eng.add_request(f"{tag}{i}", p, _greedy(n))
     while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
         eng.step()
+
+
+def _decode_tok_s(eng: LLMEngine, prompts: list[list[int]], n: int, tag: str = "t") -> float:
+    """Generated tokens per second of the decode phase (prefill steps excluded from the timed window)."""
+    _start_decoding(eng, prompts, n, tag)
     before = eng.generation_tokens_total
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -105,10 +110,7 @@ def _round_times(ckpt: Path, batch: int, prompts: list[list[int]]) -> dict[int, 
     from glm5.engine.spec_policy import FixedK
 
     eng = _engine(ckpt, "bfloat16", num_speculative_tokens=3, max_num_seqs=batch)
-    for i in range(batch):
-        eng.add_request(f"c{i}", prompts[i % len(prompts)], _greedy(200))
-    while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
-        eng.step()
+    _start_decoding(eng, [prompts[i % len(prompts)] for i in range(batch)], 200, "c")
     out = {}
     with frozen_heap():   # as in a serving process (glm5.heap): no full collection inside a timed step
         for k in range(4):
@@ -133,10 +135,7 @@ def _profile_decode(eng: LLMEngine, prompts: list[list[int]], path: Path, steps:
     import io
     import pstats
 
-    for i, p in enumerate(prompts):
-        eng.add_request(f"{tag}{i}", p, _greedy(2 * steps + 8))
-    while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
-        eng.step()
+    _start_decoding(eng, prompts, 2 * steps + 8, tag)
     for _ in range(2):
         eng.step()
     torch.cuda.synchronize()

@@ -346,16 +346,13 @@ class BatchedSpeculation:
             # rows (O(1) host work per request); a backlog that reached MAX_BACKLOG rows is caught up without
             # drafting, or dropped
             full = []
-            hidden, accepted, firsts = res.hidden, res.accepted, res.first_positions
             for i, seq, _ in live:
                 if seq.mtp_off:
                     continue
                 b = seq.mtp_backlog
                 if b is None:
-                    b = seq.mtp_backlog = MTPBacklog(firsts[i])
-                n = accepted[i] + 1
-                b.pieces.append((hidden, i * t, n))   # MTPBacklog.append without the call (every k = 0 step)
-                b.count += n
+                    b = seq.mtp_backlog = MTPBacklog(res.first_positions[i])
+                b.append(res.hidden, i * t, res.accepted[i] + 1)   # (accepted <= t - 1: the rows it emitted)
                 if b.count >= MAX_BACKLOG:
                     full.append(seq)
             if not full:
