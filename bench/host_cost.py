@@ -131,8 +131,8 @@ def decoding_engine(batch: int, mode: str, ckpt: Path, speculative: int = 0, kee
     ``speculative`` > 0: MTP speculation with that many drafts at most, the MTP layer's forward stubbed too,
     under the adaptive policy (its per-step work included) reading a cost table on which every draft costs
     two plain steps, so that it picks k = 0 at every step (probes off); ``keep_mtp``: the policy says
-    speculation could pay (full backlogs are drained), else that it cannot (they are dropped,
-    glm5.engine.spec_batched)."""
+    speculation could pay (backlogs are carried, full ones drained), else that it cannot (the MTP layer stops
+    following the requests at once, glm5.engine.spec_batched)."""
     from glm5.engine.args import EngineArgs
     from glm5.engine.llm_engine import LLMEngine
     from glm5.engine.spec_policy import AdaptiveK, SpecCostModel
@@ -231,31 +231,32 @@ def time_spec_k0(batch: int, steps: int, ckpt: Path) -> dict:
     engines stepped alternately over the same ``steps`` (a multiple of the backlog cap keeps the drains in
     proportion): mean and median ms, the slow steps (the drains), and ms per step of each part. Two
     speculative engines: ``spec_k0`` keeps the MTP layer's history (its policy says speculation could pay at
-    this batch size, so full backlogs are drained), ``spec_k0_drop`` is told it cannot (full backlogs are
-    dropped and the MTP layer stops following the requests, which then step as cheaply as without MTP); so the
-    steps before the first full backlog, where every request holds one (as each new request does for its first
-    ``MAX_BACKLOG`` steps), are also timed apart."""
+    this batch size, so every request holds a backlog and full ones are drained), ``spec_k0_drop`` is told it
+    cannot (the MTP layer stops following the requests at the first step, glm5.engine.spec_batched, and they
+    step as cheaply as without MTP); the keeping engine's steps before its first full backlog (backlogs
+    carried, none drained yet: each new request's first ``MAX_BACKLOG`` steps where speculation could pay)
+    are also timed apart."""
     from glm5.engine.spec_batched import MAX_BACKLOG
     engines = {"plain": (decoding_engine(batch, "greedy", ckpt), ENGINE_PARTS),
                "spec_k0": (decoding_engine(batch, "greedy", ckpt, 3), ENGINE_PARTS + SPEC_PARTS),
                "spec_k0_drop": (decoding_engine(batch, "greedy", ckpt, 3, keep_mtp=False), ENGINE_PARTS + SPEC_PARTS)}
     warmup = 10
     # the timed steps before the first full backlog (the requests' rows since their prompts: the warm-up's, then
-    # these): every request still holds a backlog, as in the first MAX_BACKLOG steps of any new request
+    # these): every request of the keeping engine holds a backlog, none drained yet
     first = MAX_BACKLOG - warmup - 1
     out: dict = {"batch": batch, "steps": steps, "max_backlog": MAX_BACKLOG, "interleaved": True,
-                 "before_first_drop_steps": first}
+                 "before_first_drain_steps": first}
     for name, (ts, spent) in _time_steps(engines, steps, warmup).items():
         assert len(engines[name][0].scheduler.running) == batch, "a request left the batch during the timing"
         med = statistics.median(ts)
         out[name] = {"mean_ms": statistics.fmean(ts) * 1e3, "median_ms": med * 1e3,
-                     "before_first_drop_mean_ms": statistics.fmean(ts[:first]) * 1e3,
+                     "before_first_drain_mean_ms": statistics.fmean(ts[:first]) * 1e3,
                      "slow_steps": sum(t > 3 * med for t in ts), "max_ms": max(ts) * 1e3,
                      "parts_ms": {k: v / steps * 1e3 for k, v in spent.items()}}
     out["mean_ratio"] = out["spec_k0"]["mean_ms"] / out["plain"]["mean_ms"]
     out["drop_mean_ratio"] = out["spec_k0_drop"]["mean_ms"] / out["plain"]["mean_ms"]
-    out["before_first_drop_ratio"] = (out["spec_k0_drop"]["before_first_drop_mean_ms"]
-                                      / out["plain"]["before_first_drop_mean_ms"])
+    out["before_first_drain_ratio"] = (out["spec_k0"]["before_first_drain_mean_ms"]
+                                       / out["plain"]["before_first_drain_mean_ms"])
     return out
 
 

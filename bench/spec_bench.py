@@ -128,10 +128,13 @@ def run_rounds(cfg_dict: dict, weights: dict, batch: int, ctx: int, steps: int, 
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
     rows = []
-    for k in range(K_MAX + 1):
+    # k = 0 last: a fixed k = 0 says speculation never pays, so the MTP layer stops following the requests at
+    # once (glm5.engine.spec_batched), and a later k > 0 would draft nothing
+    for k in range(K_MAX, -1, -1):
         row = {"batch": batch, "ctx": ctx, "k": k}
         for mode in ("none", "all") if k else ("plain",):
             eng.k_policy = FixedK(k)
+            rounds_before = eng.spec_stats.steps
             orig = None
             if mode == "all":
                 orig, patched = _accept_all(BatchedSpeculation)
@@ -151,12 +154,16 @@ def run_rounds(cfg_dict: dict, weights: dict, batch: int, ctx: int, steps: int, 
                     BatchedSpeculation._accept = orig
                 key = {"plain": "plain_step_s", "none": "step_s_none_accepted", "all": "step_s"}[mode]
                 row[key] = median(times)
+            if k and eng.spec_stats.steps < rounds_before + steps:
+                raise RuntimeError(f"k={k} ({mode}): {eng.spec_stats.steps - rounds_before} speculative rounds in "
+                                   f"{steps + 3} steps; the timings would be of plain steps")
                 if profile_dir is not None and mode in ("plain", "all") and k in (0, K_MAX):
                     row["profile" if k else "profile_plain"] = _profile_step(
                         eng, profile_dir / f"profile_spec_b{batch}_k{k}.txt")
         row["bytes"] = round_bytes(cfg, wb, batch, k, ctx)
         rows.append(row)
         log(row)
+    rows.reverse()
     plain = rows[0]["plain_step_s"]
     for r in rows:
         r["plain_step_s"] = plain

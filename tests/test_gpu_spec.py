@@ -113,8 +113,10 @@ def _round_times(ckpt: Path, batch: int, prompts: list[list[int]]) -> dict[int, 
     _start_decoding(eng, [prompts[i % len(prompts)] for i in range(batch)], 200, "c")
     out = {}
     with frozen_heap():   # as in a serving process (glm5.heap): no full collection inside a timed step
-        for k in range(4):
+        # k = 0 last: a fixed k = 0 stops the MTP layer following the requests (no later k > 0 could draft)
+        for k in range(3, -1, -1):
             eng.k_policy = FixedK(k)
+            rounds = eng.spec_stats.steps
             for _ in range(3):
                 eng.step()
             times = []
@@ -123,7 +125,8 @@ def _round_times(ckpt: Path, batch: int, prompts: list[list[int]]) -> dict[int, 
                 eng.step()
                 times.append(time.perf_counter() - t0)
             out[k] = sorted(times)[len(times) // 2]
-    return out
+            assert k == 0 or eng.spec_stats.steps - rounds >= 9, f"k={k}: the timed steps were not rounds"
+    return dict(sorted(out.items()))
 
 
 def _profile_decode(eng: LLMEngine, prompts: list[list[int]], path: Path, steps: int = 16, tag: str = "prof") -> dict:

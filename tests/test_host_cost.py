@@ -32,8 +32,8 @@ def test_every_part_of_the_step_is_timed(tiny_checkpoint_dir: Path):
 
 def test_the_speculative_k0_comparison_times_both_engines_and_a_drain(tiny_checkpoint_dir: Path):
     """70 timed steps after 10 warm-up ones pass the 64-row backlog cap, so the MTP drain is inside the window
-    (or, where the policy says speculation cannot pay, the drop); no request drafts (the policy is held at
-    k = 0)."""
+    (where the policy says speculation cannot pay, the MTP layer stops following the requests at the first
+    step: no backlog, no drain); no request drafts (the policy is held at k = 0)."""
     row = host_cost.time_spec_k0(4, 70, tiny_checkpoint_dir)
     assert row["batch"] == 4 and row["steps"] == 70 and row["max_backlog"] <= 70
     assert set(row["plain"]["parts_ms"]) == {label for label, _ in host_cost.ENGINE_PARTS}
@@ -41,5 +41,5 @@ def test_the_speculative_k0_comparison_times_both_engines_and_a_drain(tiny_check
     assert set(spec) == set(drop) == {label for label, _ in host_cost.ENGINE_PARTS + host_cost.SPEC_PARTS}
     assert spec["propose"] > 0 and spec["drain"] > 0, spec
     assert drop["propose"] > 0 and drop["drain"] == 0, drop     # the full backlogs were dropped, not drained
-    assert row["mean_ratio"] > 0 and row["drop_mean_ratio"] > 0 and row["before_first_drop_ratio"] > 0
-    assert 0 < row["before_first_drop_steps"] < row["max_backlog"]
+    assert row["mean_ratio"] > 0 and row["drop_mean_ratio"] > 0 and row["before_first_drain_ratio"] > 0
+    assert 0 < row["before_first_drain_steps"] < row["max_backlog"]

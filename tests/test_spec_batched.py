@@ -350,10 +350,12 @@ def test_bad_words_hold_in_verified_and_plain_rows(pair, monkeypatch, decode_pat
 
 
 @pytest.mark.parametrize("decode_path", ["batched", "per_request"])
-def test_full_backlog_is_dropped_where_speculation_cannot_pay(pair, monkeypatch, decode_path):
-    """A policy that says no k > 0 can pay: when a request's backlog reaches MAX_BACKLOG rows the MTP layer
-    does not catch up on it (no drain, no MTP pass after the prompts) but stops following the request, which
-    then drafts nothing even when the policy asks for k = 3; the tokens are k = 0's."""
+@pytest.mark.parametrize("pays_for", [0, 12])
+def test_mtp_stops_following_where_speculation_cannot_pay(pair, monkeypatch, decode_path, pays_for):
+    """A policy that says no k > 0 can pay (after ``pays_for`` decode steps that held rows back): no backlog is
+    carried from then on - the MTP layer stops following every request at the next k = 0 step (no drain, no
+    MTP pass after the prompts), well before a backlog would fill - and the requests draft nothing even when
+    the policy asks for k = 3; the tokens are k = 0's."""
     from glm5.engine.spec_batched import MAX_BACKLOG
     from glm5.engine.spec_forwards import SpecForwards
     from glm5.layers.mtp import MTPLayer
@@ -363,7 +365,7 @@ def test_full_backlog_is_dropped_where_speculation_cannot_pay(pair, monkeypatch,
     n_new = MAX_BACKLOG + 16
     ref = [o.token_ids for o in engine(ckpt, decode_path=decode_path).generate(prompts, greedy(n_new))]
     eng = engine(ckpt, decode_path=decode_path, num_speculative_tokens=3, max_num_seqs=4)
-    eng.k_policy = ScriptedK([0] * (MAX_BACKLOG + 4) + [3], pays=False)
+    eng.k_policy = ScriptedK([0] * (MAX_BACKLOG + 4) + [3], pays=pays_for > 0)
     mtp_rows, drains = [], []
     orig_fwd, orig_drain = MTPLayer.forward, SpecForwards.mtp_drain
     monkeypatch.setattr(MTPLayer, "forward", lambda self, b, h, c: (mtp_rows.append(h.shape[0]), orig_fwd(self, b, h, c))[1])
@@ -371,15 +373,24 @@ def test_full_backlog_is_dropped_where_speculation_cannot_pay(pair, monkeypatch,
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", p, greedy(n_new))
     outs: dict[str, list[int]] = {}
-    off_at = None
+    off_at, decode_steps, held = None, 0, 0
     while eng.has_unfinished():
         for o in eng.step():
             outs.setdefault(o.request_id, []).extend(o.token_ids)
         running = eng.scheduler.running
+        if running and all(len(s.output_token_ids) > 1 for s in running):   # a step that decoded everyone
+            decode_steps += 1
+            if decode_steps == pays_for:
+                held = min(len(s.mtp_backlog) for s in running)
+                eng.k_policy.pays = False
+            elif decode_steps > pays_for:   # the first k = 0 step that is told speculation cannot pay drops
+                assert all(s.mtp_off and s.mtp_backlog is None for s in running)
         if off_at is None and running and all(s.mtp_off for s in running):
             off_at = len(mtp_rows)
         assert not any(s.draft_tokens for s in running if s.mtp_off)
     assert [outs[f"r{i}"] for i in range(len(prompts))] == ref
+    if pays_for:
+        assert 0 < held < MAX_BACKLOG   # the rows were held back while speculation could pay
     st = eng.spec_stats.to_dict()
     assert st["mtp_dropped"] == len(prompts) and st["steps"] == 0   # nobody drafted, even at the k = 3 choice
     assert not drains and off_at is not None and len(mtp_rows) == off_at   # no MTP pass after the drop

@@ -101,4 +101,3 @@ def test_round_timing_runs_every_k_and_mode_on_the_cpu(tiny_checkpoint_dir):
         assert r["bytes"]["total"] == sum(v for k, v in r["bytes"].items() if k != "total")
     assert all(r["step_s_none_accepted"] > 0 for r in rows[1:])
     assert spec_bench.K_MAX + 1 in seen   # all accepted: k+1 rows to catch up
-    assert seen[0] > spec_bench.K_MAX + 1  # the first drafting step caught up on the k = 0 steps' backlog

@@ -508,8 +508,8 @@ class LLMEngine:
     def _mtp_pays(self, batch: int) -> bool:
         """Whether the MTP layer's history is worth its catch-up at ``batch`` requests: the policy's
         ``keeps_mtp`` (adaptive: some ``k > 0`` could beat ``k = 0`` at the optimistic acceptance, and its
-        exploration credit pays for the drain), within the batched speculation's cap. Where not, a full backlog
-        is dropped instead of drained (glm5.engine.spec_batched)."""
+        exploration credit pays for the drain), within the batched speculation's cap. Where not, decoding rows
+        are not held back: the MTP layer stops following the requests (glm5.engine.spec_batched)."""
         if self.spec is not None and batch > self.spec.max_requests:
             return False
         return self.k_policy.keeps_mtp(batch)
@@ -608,14 +608,18 @@ class LLMEngine:
             want.append(ci in sampled and not seq.is_finished and self._num_drafts(seq) > 0)
         if not any(want):  # nobody drafts next step: decode rows can wait for the MTP layer (prompt chunks do not)
             # a finished request is caught up now: its end-of-request snapshot holds the MTP layer's rows too
-            # a full backlog of a decoding request is caught up, or dropped where speculation cannot pay
-            pays = self._mtp_pays(len(self.scheduler.running))
+            # a full backlog of a decoding request is caught up, or dropped where speculation cannot pay; where
+            # the policy says it cannot, a decoding request's rows are not held back at all: the MTP layer stops
+            # following it (spec_batched). Above the speculation's batch cap, rows wait for the batch to shrink.
+            running = len(self.scheduler.running)
+            pays = self._mtp_pays(running)
+            hold = pays or (self.spec is not None and running > self.spec.max_requests)
             keep, drop = [], []
             for i, (r, v) in enumerate(zip(rows, step_rows)):
                 seq, lo, _ = entries[i]
                 if v > 1 or seq.is_finished or (r.shape[0] >= MAX_BACKLOG and pays):
                     keep.append(i)
-                elif r.shape[0] >= MAX_BACKLOG:
+                elif r.shape[0] >= MAX_BACKLOG or not hold:
                     drop.append(seq)
                 else:  # graph outputs are overwritten by the next replay: the backlog keeps a copy
                     seq.mtp_backlog = MTPBacklog(lo, [r.clone()])

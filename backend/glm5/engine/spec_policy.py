@@ -265,9 +265,10 @@ class AdaptiveK:
     Keeping the MTP layer's history while speculation is off is exploration too: every ``MAX_BACKLOG`` steps a
     request's backlog is drained (replays of the MTP layer over it) so that a later probe or a return to
     ``k > 0`` can draft. Drains are paid from the same credit (:meth:`keeps_mtp`; the first runs on credit),
-    so probes and drains together cost about ``explore_fraction`` of the time spent at ``k = 0``; a backlog
-    the credit cannot pay for is dropped (that request drafts no more; new requests start with the MTP layer
-    following them). The credit holds up to two of the dearer of a probe and a drain."""
+    so probes and drains together cost about ``explore_fraction`` of the time spent at ``k = 0``; while the
+    credit cannot pay for a drain, no backlog is carried at all (the MTP layer stops following the requests,
+    which draft no more; new requests start with it following them). The credit holds up to two of the
+    dearer of a probe and a drain."""
 
     MAX_COST_ROUNDS = 8.0
 
@@ -324,8 +325,8 @@ class AdaptiveK:
                    for k in range(1, self.k_max + 1))
 
     def keeps_mtp(self, batch: int) -> bool:
-        """Whether a request's full backlog is worth draining (the MTP layer keeps following it) rather than
-        dropping (it drafts no more): some ``k > 0`` beats ``k = 0`` at the optimistic acceptance
+        """Whether the MTP layer's history is worth keeping at ``batch`` requests - rows held back in backlogs,
+        a full backlog drained - rather than dropped (the requests draft no more): some ``k > 0`` beats ``k = 0`` at the optimistic acceptance
         (:meth:`AcceptanceTracker.optimistic_rates`), and the exploration credit covers a drain
         (:meth:`drain_cost_s`) or none has run yet. Before any draft was verified the optimistic acceptance is
         full acceptance, and the first drain runs on credit (it also measures what a drain costs); once the
