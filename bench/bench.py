@@ -60,15 +60,20 @@ def bench_config_dict() -> dict:
 
 
 def timed(fn, reps: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``fn`` after ``warmup`` ones, with the heap frozen as a serving
+    process freezes it (glm5.heap: no full collection of the start-up objects inside a timed call)."""
+    from glm5.heap import frozen_heap
+
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
+    with frozen_heap():
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            out.append(time.perf_counter() - t0)
     return out
 
 

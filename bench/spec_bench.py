@@ -116,6 +116,7 @@ def run_rounds(cfg_dict: dict, weights: dict, batch: int, ctx: int, steps: int, 
     from glm5.config import ModelConfig
     from glm5.engine.spec_batched import BatchedSpeculation
     from glm5.engine.spec_policy import FixedK, WeightBytes, round_bytes
+    from glm5.heap import frozen_heap
     from glm5.sampling_params import SamplingParams
 
     eng = _engine(cfg_dict, batch, ctx, weights, device)
@@ -143,12 +144,13 @@ def run_rounds(cfg_dict: dict, weights: dict, batch: int, ctx: int, steps: int, 
                 for _ in range(3):  # the step before drafted k: the timed ones verify k
                     eng.step()
                 times = []
-                for _ in range(steps):
-                    _sync()
-                    t0 = time.perf_counter()
-                    eng.step()
-                    _sync()
-                    times.append(time.perf_counter() - t0)
+                with frozen_heap():   # as a serving process runs (glm5.heap)
+                    for _ in range(steps):
+                        _sync()
+                        t0 = time.perf_counter()
+                        eng.step()
+                        _sync()
+                        times.append(time.perf_counter() - t0)
             finally:
                 if orig is not None:
                     BatchedSpeculation._accept = orig
