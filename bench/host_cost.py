@@ -146,7 +146,7 @@ def decoding_engine(batch: int, mode: str, ckpt: Path, speculative: int = 0, kee
         cost = SpecCostModel(eng.model_config, {k: [(1, 1e-3 * (1 + 2 * k)), (batch + 1, 1e-3 * (1 + 2 * k))]
                                                 for k in range(speculative + 1)})
         eng.k_policy = AdaptiveK(speculative, cost, probe_every=0)
-        eng.k_policy.keeps_mtp = lambda b: keep_mtp
+        eng.k_policy.keeps_mtp = eng.k_policy.holds_mtp = lambda b: keep_mtp
         hidden_size = eng.model_config.text.hidden_size
 
         def mtp_forward(fwd_batch, hidden, cache):
@@ -322,7 +322,7 @@ def time_gc(batch: int, steps: int, ckpt: Path, tokens: int = 16) -> dict:
 
 def time_policy(batches: list[int], calls: int = 2000) -> dict:
     """µs per decode step of the adaptive policy's own work (``choose`` the next k, ``keeps_mtp`` for a full
-    backlog, ``observe_time`` of the step) at each batch size, on the real config, with round costs from a
+    backlog and ``holds_mtp`` for the step's rows, ``observe_time`` of the step) at each batch size, on the real config, with round costs from a
     measured-like table and from the byte model (no table), the acceptance estimate unchanged between steps
     (a step at k = 0 verifies nothing)."""
     from glm5.config import ModelConfig
@@ -339,6 +339,7 @@ def time_policy(batches: list[int], calls: int = 2000) -> dict:
             for _ in range(calls):
                 policy.choose(b)
                 policy.keeps_mtp(b)
+                policy.holds_mtp(b)
                 policy.observe_time(1e-3, b, plain=True)
             rows.append({"batch": b, "us_per_step": (time.perf_counter() - t0) / calls * 1e6})
         out[name] = rows

@@ -67,15 +67,20 @@ def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
 class ScriptedK:
     """A speculation policy that drafts ``schedule[i % len(schedule)]`` at its i-th choice (steps with 0 leave an
     MTP backlog); records the steps the engine timed as ``(batch, plain)``. ``pays=False``: it says speculation
-    cannot pay, so full backlogs are dropped."""
+    cannot pay, so full backlogs are dropped; ``holds`` (default: ``pays``) whether rows wait in backlogs at all
+    (False: the MTP layer stops following the requests at their next k = 0 step)."""
 
-    def __init__(self, schedule: list[int], pays: bool = True):
-        self.schedule, self.i, self.pays = schedule, 0, pays
+    def __init__(self, schedule: list[int], pays: bool = True, holds: bool | None = None):
+        self.schedule, self.i, self.pays, self.holds = schedule, 0, pays, holds
         self.timed: list[tuple[int, bool]] = []
 
     def keeps_mtp(self, batch: int) -> bool:
         """``pays``: whether the engine keeps the MTP layer's history (drains full backlogs) or drops it."""
         return self.pays
+
+    def holds_mtp(self, batch: int) -> bool:
+        """``holds`` (default ``pays``): whether rows wait in backlogs at all."""
+        return self.pays if self.holds is None else self.holds
 
     def choose(self, batch: int, may_probe: bool = True) -> int:
         self.i += 1

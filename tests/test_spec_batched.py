@@ -350,12 +350,13 @@ def test_bad_words_hold_in_verified_and_plain_rows(pair, monkeypatch, decode_pat
 
 
 @pytest.mark.parametrize("decode_path", ["batched", "per_request"])
-@pytest.mark.parametrize("pays_for", [0, 12])
-def test_mtp_stops_following_where_speculation_cannot_pay(pair, monkeypatch, decode_path, pays_for):
-    """A policy that says no k > 0 can pay (after ``pays_for`` decode steps that held rows back): no backlog is
-    carried from then on - the MTP layer stops following every request at the next k = 0 step (no drain, no
-    MTP pass after the prompts), well before a backlog would fill - and the requests draft nothing even when
-    the policy asks for k = 3; the tokens are k = 0's."""
+@pytest.mark.parametrize("pays_for, holds", [(0, False), (12, False), (0, True)])
+def test_mtp_stops_following_where_speculation_cannot_pay(pair, monkeypatch, decode_path, pays_for, holds):
+    """A policy that says no k > 0 can pay (after ``pays_for`` decode steps that held rows back). ``holds``
+    False: no backlog is carried from then on - the MTP layer stops following every request at the next k = 0
+    step, well before a backlog would fill. ``holds`` True (speculation ran lately): the rows wait until the
+    backlog is full, which is then dropped. Either way no drain and no MTP pass after the prompts, the requests
+    draft nothing even when the policy asks for k = 3, and the tokens are k = 0's."""
     from glm5.engine.spec_batched import MAX_BACKLOG
     from glm5.engine.spec_forwards import SpecForwards
     from glm5.layers.mtp import MTPLayer
@@ -365,7 +366,7 @@ def test_mtp_stops_following_where_speculation_cannot_pay(pair, monkeypatch, dec
     n_new = MAX_BACKLOG + 16
     ref = [o.token_ids for o in engine(ckpt, decode_path=decode_path).generate(prompts, greedy(n_new))]
     eng = engine(ckpt, decode_path=decode_path, num_speculative_tokens=3, max_num_seqs=4)
-    eng.k_policy = ScriptedK([0] * (MAX_BACKLOG + 4) + [3], pays=pays_for > 0)
+    eng.k_policy = ScriptedK([0] * (MAX_BACKLOG + 4) + [3], pays=pays_for > 0, holds=holds or pays_for > 0)
     mtp_rows, drains = [], []
     orig_fwd, orig_drain = MTPLayer.forward, SpecForwards.mtp_drain
     monkeypatch.setattr(MTPLayer, "forward", lambda self, b, h, c: (mtp_rows.append(h.shape[0]), orig_fwd(self, b, h, c))[1])
@@ -382,9 +383,11 @@ def test_mtp_stops_following_where_speculation_cannot_pay(pair, monkeypatch, dec
             decode_steps += 1
             if decode_steps == pays_for:
                 held = min(len(s.mtp_backlog) for s in running)
-                eng.k_policy.pays = False
-            elif decode_steps > pays_for:   # the first k = 0 step that is told speculation cannot pay drops
+                eng.k_policy.pays = eng.k_policy.holds = False
+            elif decode_steps > pays_for and not holds:   # the first k = 0 step told not to hold drops
                 assert all(s.mtp_off and s.mtp_backlog is None for s in running)
+            elif holds and decode_steps < MAX_BACKLOG - 20:   # rows wait until the backlog is full
+                assert not any(s.mtp_off for s in running) and all(s.mtp_backlog for s in running)
         if off_at is None and running and all(s.mtp_off for s in running):
             off_at = len(mtp_rows)
         assert not any(s.draft_tokens for s in running if s.mtp_off)

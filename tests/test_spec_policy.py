@@ -334,3 +334,52 @@ def test_drains_are_paid_from_the_exploration_credit(tmp_path, real_cfg):
     for _ in range(100_000):
         policy.observe_time(plain, 8, plain=True)
     assert policy.credit_s == pytest.approx(2 * policy.drain_cost_s(8)) and policy.keeps_mtp(8)
+
+
+def test_rows_are_held_back_only_where_a_full_backlog_could_be_drained_or_speculation_ran_lately(tmp_path, real_cfg):
+    """holds_mtp (carry backlogs at all): while a full backlog would be drained (keeps_mtp), and for HOLD_STEPS
+    steps at k = 0 after the last speculative step or probe (the batch may shrink back); after that, with no
+    drain paid for, a backlog would only be dropped when full, so none is carried."""
+    # at 0.95 per position k = 3 pays at b1 (3.71 tokens for 1.6x a plain step) and no k pays at b8 (for 4x)
+    cost = SpecCostModel.load(_table(tmp_path, 0.01, {1: 0.2, 8: 1.0, 64: 0.05}), real_cfg)
+    policy = AdaptiveK(3, cost, probe_every=0, tracker=_tracker(0.95))
+    plain, round1 = cost.round_s(8, 0), cost.round_s(8, 1)
+    assert policy.keeps_mtp(8) and policy.holds_mtp(8)         # the first drain runs on credit: held
+    policy.observe_time(plain + 3 * round1, 8, plain=False, mtp_only=True)   # a drain: the credit is spent
+    assert not policy.keeps_mtp(8) and not policy.holds_mtp(8)  # no speculative step yet: not held
+    assert policy.choose(1) > 0                                # speculation runs at b1 ...
+    for i in range(policy.HOLD_STEPS):
+        assert policy.holds_mtp(8), i                          # ... so b8's rows wait for the batch to shrink
+        assert policy.choose(8, may_probe=False) == 0
+    assert not policy.holds_mtp(8) and not policy.keeps_mtp(8)  # 64 steps at k = 0, no drain paid: not held
+    assert policy.choose(1) > 0 and policy.holds_mtp(8)         # a speculative step holds them again
+
+
+@pytest.mark.parametrize("per_draft, held", [(7.0, False), (0.7, True)])
+def test_adaptive_engine_holds_rows_back_only_where_a_k_could_pay(tiny_checkpoint_dir, tmp_path, per_draft, held):
+    """The engine with the adaptive policy at k = 0: where no k could beat k = 0 even at full acceptance (each
+    draft costs 7 plain steps), the MTP layer stops following the requests at their first decode step - no
+    backlog is carried for 64 steps only to be dropped; where a k could pay at full acceptance (0.7 plain steps a
+    draft; none pays at the prior 0.5, so the policy stays at k = 0), every request holds a backlog (before any
+    draft was verified, the first drain runs on credit). Tokens are k = 0's."""
+    prompts = [random_prompt(n, 640, seed=70 + n) for n in (6, 21)]
+    ref = [o.token_ids for o in engine(tiny_checkpoint_dir, decode_path="batched").generate(prompts, greedy(12))]
+    table = tmp_path / "cost.json"
+    table.write_text(json.dumps({"rounds": [{"batch": b, "k": k, "round_s": 1e-3 * (1 + per_draft * k)}
+                                            for b in (1, 2) for k in range(4)]}))
+    eng = engine(tiny_checkpoint_dir, decode_path="batched", num_speculative_tokens=3,
+                 speculative_policy="adaptive", speculative_cost_table=str(table))
+    assert eng.k_policy.best(2) == 0 and eng.k_policy.can_pay(2) == held
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, greedy(12))
+    outs: dict[str, list[int]] = {}
+    checked = 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.token_ids)
+        running = eng.scheduler.running
+        if len(running) == 2 and all(len(s.output_token_ids) > 1 for s in running):
+            checked += 1
+            assert all(s.mtp_off != held and (s.mtp_backlog is not None) == held for s in running)
+    assert checked >= 5 and [outs[f"r{i}"] for i in range(2)] == ref
+    assert eng.spec_stats.mtp_dropped == (0 if held else 2) and eng.spec_stats.steps == 0

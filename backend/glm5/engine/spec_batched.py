@@ -19,14 +19,16 @@ When the next step drafts nothing (the adaptive policy chose ``k = 0``) the MTP 
 target's hidden rows wait in the request's backlog (:class:`MTPBacklog`) and the next drafting step catches
 up on all of them, up to ``DRAIN_ROWS`` rows per request per graph replay (while the weights dominate, a
 replay of several rows costs about what one row does), so a step without speculation costs what a plain
-decode step costs. A backlog of ``MAX_BACKLOG`` rows is caught up without drafting. Rows are held back only
-while speculation could pay at the running batch size (``keep_mtp``, the policy's ``keeps_mtp``: some
-``k > 0`` beats ``k = 0`` at the optimistic acceptance, full acceptance before any draft was verified, and the
-exploration credit that pays the probes pays for a drain); where not, a drain would be pure cost and so would
-carrying the backlog (a copy of the step's hidden rows and a reference per request every step: 1.04-1.06x a
-plain step's host work, ``bench/host_cost.py``), so the MTP layer stops following the request at once and it drafts
-no more (``Sequence.mtp_off``: its MTP cache has a gap; new requests start with the layer following them). A
-mixed (prefill) step prepends a backlog in the per-request proposal.
+decode step costs. A backlog of ``MAX_BACKLOG`` rows is caught up without drafting, if speculation could pay
+at the running batch size (``keep_mtp``, the policy's ``keeps_mtp``: some ``k > 0`` beats ``k = 0`` at the
+optimistic acceptance, full acceptance before any draft was verified, and the exploration credit that pays
+the probes pays for the drain); where not, draining would be pure cost, so the backlog is dropped instead and
+the request drafts no more (``Sequence.mtp_off``: its MTP cache has a gap; new requests start with the layer
+following them). Carrying a backlog costs host work as well (a copy of the step's hidden rows and a reference
+per request every step: 1.06-1.12x a plain step's, ``bench/host_cost.py``), so where it would only be dropped
+when full (``hold_mtp``, the policy's ``holds_mtp``: no drain would be paid now and no speculative step ran
+lately) the MTP layer stops following the requests at once. A mixed (prefill) step prepends a backlog in the
+per-request proposal.
 """
 
 from __future__ import annotations
@@ -335,22 +337,22 @@ class BatchedSpeculation:
 
     # ------------------------------------------------------------------ MTP: catch-up and drafts
     def propose(self, live: list[tuple[int, Sequence, int]], res: VerifyResult, ensure_blocks,
-                keep_mtp: bool = True) -> bool:
+                keep_mtp: bool = True, hold_mtp: bool = True) -> bool:
         """``live``: ``(chunk index, request, drafts wanted next step)`` of every request still running.
         Catches the MTP layer up on each one's accepted rows (and backlog) and sets ``draft_tokens`` /
-        ``draft_probs``; when nobody drafts, the rows go to the backlogs instead, and a full backlog is drained.
-        ``keep_mtp`` False (speculation cannot pay at this batch size): when nobody drafts, the MTP layer stops
-        following every request instead (module docstring). Requests it no longer follows (``mtp_off``) are
-        skipped. True when the MTP layer ran (a drafting
+        ``draft_probs``; when nobody drafts, the rows go to the backlogs instead. ``keep_mtp``: whether a full
+        backlog is drained (speculation could pay at this batch size) or dropped; ``hold_mtp`` False: when
+        nobody drafts, the MTP layer stops following every request at once (module docstring). Requests it no
+        longer follows (``mtp_off``) are skipped. True when the MTP layer ran (a drafting
         step, or a full backlog drained)."""
         t = res.rows_per_seq
         if not any(want for *_, want in live):
-            if not keep_mtp:   # a backlog that would be dropped when full is not carried: dropped now
+            if not hold_mtp:   # a backlog that would be dropped when full is not carried: dropped now
                 drop_backlogs([seq for _, seq, _ in live if not seq.mtp_off], self.stats)
                 return False
             # nobody drafts: each request's emitted rows join its backlog as a reference into this step's hidden
             # rows (O(1) host work per request); a backlog that reached MAX_BACKLOG rows is caught up without
-            # drafting
+            # drafting, or dropped
             full = []
             for i, seq, _ in live:
                 if seq.mtp_off:
@@ -362,6 +364,9 @@ class BatchedSpeculation:
                 if b.count >= MAX_BACKLOG:
                     full.append(seq)
             if not full:
+                return False
+            if not keep_mtp:
+                drop_backlogs(full, self.stats)
                 return False
             self._catch_up([(seq, first, rows_h, 0) for seq, (first, rows_h) in zip(full, release_backlogs(full))],
                            drafting=False)

@@ -265,12 +265,17 @@ class AdaptiveK:
     Keeping the MTP layer's history while speculation is off is exploration too: every ``MAX_BACKLOG`` steps a
     request's backlog is drained (replays of the MTP layer over it) so that a later probe or a return to
     ``k > 0`` can draft. Drains are paid from the same credit (:meth:`keeps_mtp`; the first runs on credit),
-    so probes and drains together cost about ``explore_fraction`` of the time spent at ``k = 0``; while the
-    credit cannot pay for a drain, no backlog is carried at all (the MTP layer stops following the requests,
-    which draft no more; new requests start with it following them). The credit holds up to two of the
-    dearer of a probe and a drain."""
+    so probes and drains together cost about ``explore_fraction`` of the time spent at ``k = 0``; a full
+    backlog the credit cannot pay for is dropped (that request drafts no more; new requests start with the MTP
+    layer following them). Carrying a backlog costs host work on every step too, so none is carried at all
+    where it would only be dropped (:meth:`holds_mtp`). The credit holds up to two of the dearer of a probe
+    and a drain."""
 
     MAX_COST_ROUNDS = 8.0
+    #: steps at k = 0 after the last speculative step (or probe) during which rows are still held back for the
+    #: MTP layer although a full backlog would not be drained now: the batch may shrink back to a size where
+    #: speculation runs (the engine's backlog cap, glm5.engine.spec_batched.MAX_BACKLOG)
+    HOLD_STEPS = 64
 
     def __init__(self, k_max: int, cost: SpecCostModel, probe_every: int = 16,
                  tracker: AcceptanceTracker | None = None, explore_fraction: float = 0.02):
@@ -278,6 +283,7 @@ class AdaptiveK:
         self.explore_fraction = explore_fraction
         self.tracker = tracker or AcceptanceTracker(k_max)
         self._steps_at_zero = 0
+        self._since_drafts = self.HOLD_STEPS      # steps since the last choice with drafts (none yet: past the window)
         self.elapsed_s = 0.0        # decode step time observed while speculation was off
         self.probe_spent_s = 0.0    # probes' time beyond what plain steps would have taken
         self.probes = 0
@@ -325,8 +331,8 @@ class AdaptiveK:
                    for k in range(1, self.k_max + 1))
 
     def keeps_mtp(self, batch: int) -> bool:
-        """Whether the MTP layer's history is worth keeping at ``batch`` requests - rows held back in backlogs,
-        a full backlog drained - rather than dropped (the requests draft no more): some ``k > 0`` beats ``k = 0`` at the optimistic acceptance
+        """Whether a request's full backlog is worth draining (the MTP layer keeps following it) rather than
+        dropping (it drafts no more): some ``k > 0`` beats ``k = 0`` at the optimistic acceptance
         (:meth:`AcceptanceTracker.optimistic_rates`), and the exploration credit covers a drain
         (:meth:`drain_cost_s`) or none has run yet. Before any draft was verified the optimistic acceptance is
         full acceptance, and the first drain runs on credit (it also measures what a drain costs); once the
@@ -337,6 +343,15 @@ class AdaptiveK:
         funded = self.credit_s >= self.drain_cost_s(batch) or self.drains == 0
         return funded and self._per_version("keeps", batch,
                                             lambda: self.can_pay(batch, self.tracker.optimistic_rates()))
+
+    def holds_mtp(self, batch: int) -> bool:
+        """Whether rows are held back for the MTP layer at all at ``batch`` requests (each request's backlog
+        grows, a copy of the step's hidden rows per step): while a full backlog would be drained
+        (:meth:`keeps_mtp`), or within :attr:`HOLD_STEPS` steps of the last speculative step or probe (the
+        batch may shrink back to where speculation runs, and then the requests draft after one catch-up).
+        Otherwise a backlog would be carried until it is full only to be dropped then: the engine stops the
+        MTP layer following the requests at once (a k = 0 step then costs what a plain step costs)."""
+        return self._since_drafts < self.HOLD_STEPS or self.keeps_mtp(batch)
 
     def drain_cost_s(self, batch: int) -> float:
         """What a drain step at ``batch`` requests is expected to cost beyond a plain step."""
@@ -359,11 +374,12 @@ class AdaptiveK:
         k = self.best(batch)
         self._off = k == 0
         if k > 0:
-            self._steps_at_zero = 0
+            self._steps_at_zero = self._since_drafts = 0
             return k
         self._steps_at_zero += 1
+        self._since_drafts += 1
         if may_probe and self._may_probe(batch):
-            self._steps_at_zero = 0
+            self._steps_at_zero = self._since_drafts = 0
             self._probe_steps, self._probe_acc, self._probe_batch = 2, 0.0, batch  # catch-up + drafts, verify
             self.probes += 1
             return 1
@@ -422,6 +438,9 @@ class FixedK:
 
     def keeps_mtp(self, batch: int) -> bool:
         """A fixed ``k > 0`` always speculates, so the MTP layer's history is always kept."""
+        return self.k_max > 0
+
+    def holds_mtp(self, batch: int) -> bool:
         return self.k_max > 0
 
     def observe_step(self, results: list[tuple[int, int]]) -> None:
