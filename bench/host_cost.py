@@ -252,6 +252,7 @@ def time_spec_k0(batch: int, steps: int, ckpt: Path) -> dict:
         out[name] = {"mean_ms": statistics.fmean(ts) * 1e3, "median_ms": med * 1e3,
                      "before_first_drain_mean_ms": statistics.fmean(ts[:first]) * 1e3,
                      "slow_steps": sum(t > 3 * med for t in ts), "max_ms": max(ts) * 1e3,
+                     "mtp_dropped": engines[name][0].spec_stats.mtp_dropped if name != "plain" else 0,
                      "parts_ms": {k: v / steps * 1e3 for k, v in spent.items()}}
     out["mean_ratio"] = out["spec_k0"]["mean_ms"] / out["plain"]["mean_ms"]
     out["drop_mean_ratio"] = out["spec_k0_drop"]["mean_ms"] / out["plain"]["mean_ms"]

@@ -135,7 +135,6 @@ def run_rounds(cfg_dict: dict, weights: dict, batch: int, ctx: int, steps: int, 
         row = {"batch": batch, "ctx": ctx, "k": k}
         for mode in ("none", "all") if k else ("plain",):
             eng.k_policy = FixedK(k)
-            rounds_before = eng.spec_stats.steps
             orig = None
             if mode == "all":
                 orig, patched = _accept_all(BatchedSpeculation)
@@ -143,6 +142,7 @@ def run_rounds(cfg_dict: dict, weights: dict, batch: int, ctx: int, steps: int, 
             try:
                 for _ in range(3):  # the step before drafted k: the timed ones verify k
                     eng.step()
+                verified = eng.spec_stats.steps   # one per request a step verified
                 times = []
                 with frozen_heap():   # as a serving process runs (glm5.heap)
                     for _ in range(steps):
@@ -156,12 +156,12 @@ def run_rounds(cfg_dict: dict, weights: dict, batch: int, ctx: int, steps: int, 
                     BatchedSpeculation._accept = orig
                 key = {"plain": "plain_step_s", "none": "step_s_none_accepted", "all": "step_s"}[mode]
                 row[key] = median(times)
-            if k and eng.spec_stats.steps < rounds_before + steps:
-                raise RuntimeError(f"k={k} ({mode}): {eng.spec_stats.steps - rounds_before} speculative rounds in "
-                                   f"{steps + 3} steps; the timings would be of plain steps")
-                if profile_dir is not None and mode in ("plain", "all") and k in (0, K_MAX):
-                    row["profile" if k else "profile_plain"] = _profile_step(
-                        eng, profile_dir / f"profile_spec_b{batch}_k{k}.txt")
+            if k and eng.spec_stats.steps - verified < batch * steps:
+                raise RuntimeError(f"k={k} ({mode}): {eng.spec_stats.steps - verified} verified requests in {steps} "
+                                   f"timed steps of {batch}; the timings would be of steps without speculation")
+            if profile_dir is not None and mode in ("plain", "all") and k in (0, K_MAX):
+                row["profile" if k else "profile_plain"] = _profile_step(
+                    eng, profile_dir / f"profile_spec_b{batch}_k{k}.txt")
         row["bytes"] = round_bytes(cfg, wb, batch, k, ctx)
         rows.append(row)
         log(row)

@@ -72,6 +72,7 @@ class ScriptedK:
 
     def __init__(self, schedule: list[int], pays: bool = True, holds: bool | None = None):
         self.schedule, self.i, self.pays, self.holds = schedule, 0, pays, holds
+        self.may_probe: list[bool] = []   # what the engine allowed at each choice
         self.timed: list[tuple[int, bool]] = []
 
     def keeps_mtp(self, batch: int) -> bool:
@@ -83,6 +84,7 @@ class ScriptedK:
         return self.pays if self.holds is None else self.holds
 
     def choose(self, batch: int, may_probe: bool = True) -> int:
+        self.may_probe.append(may_probe)
         self.i += 1
         return self.schedule[self.i % len(self.schedule)]
 

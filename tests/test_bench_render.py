@@ -119,6 +119,25 @@ def _imports(path: Path) -> set[str]:
     return mods
 
 
+def test_gpu_test_modules_need_no_serving_packages():
+    """scripts/gpu_check.sh collects only the test modules with gpu-marked tests, because the GPU machine lacks
+    the serving stack's packages: none of those modules may import them (directly or through the fixtures'
+    conftest), or the GPU run stops at collection."""
+    serving = {"uvicorn", "starlette", "fastapi", "openai", "tritonclient", "httpx", "aiohttp"}
+    marker = "pytest.mark." + "gpu"   # (spelt apart so that this module is not one of them)
+    gpu_modules = [p for p in (ROOT / "tests").glob("test_*.py") if marker in p.read_text()]
+    assert len(gpu_modules) >= 10
+    for path in [*gpu_modules, ROOT / "tests" / "conftest.py", ROOT / "tests" / "oracle.py"]:
+        assert not (_imports(path) & serving), path
+        modules = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                modules.append(node.module or "")
+            elif isinstance(node, ast.Import):
+                modules += [a.name for a in node.names]
+        assert not [m for m in modules if m.startswith("glm5.serving")], path
+
+
 def test_bench_imports_run_one_way():
     """bench.py (and step_anatomy.py) import render_results / bench; render_results imports no bench tool."""
     tools = {p.stem for p in (ROOT / "bench").glob("*.py")}

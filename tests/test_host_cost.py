@@ -40,6 +40,8 @@ def test_the_speculative_k0_comparison_times_both_engines_and_a_drain(tiny_check
     spec, drop = row["spec_k0"]["parts_ms"], row["spec_k0_drop"]["parts_ms"]
     assert set(spec) == set(drop) == {label for label, _ in host_cost.ENGINE_PARTS + host_cost.SPEC_PARTS}
     assert spec["propose"] > 0 and spec["drain"] > 0, spec
-    assert drop["propose"] > 0 and drop["drain"] == 0, drop     # the full backlogs were dropped, not drained
+    assert drop["propose"] > 0 and drop["drain"] == 0, drop     # no backlog carried, none drained
+    # the dropping engine's requests lost the MTP layer at their first k = 0 step, the keeping engine's never
+    assert row["spec_k0_drop"]["mtp_dropped"] == 4 and row["spec_k0"]["mtp_dropped"] == 0
     assert row["mean_ratio"] > 0 and row["drop_mean_ratio"] > 0 and row["before_first_drain_ratio"] > 0
     assert 0 < row["before_first_drain_steps"] < row["max_backlog"]

@@ -390,8 +390,11 @@ def test_mtp_stops_following_where_speculation_cannot_pay(pair, monkeypatch, dec
                 assert not any(s.mtp_off for s in running) and all(s.mtp_backlog for s in running)
         if off_at is None and running and all(s.mtp_off for s in running):
             off_at = len(mtp_rows)
+            probes_from = len(eng.k_policy.may_probe)
         assert not any(s.draft_tokens for s in running if s.mtp_off)
     assert [outs[f"r{i}"] for i in range(len(prompts))] == ref
+    # no probe is allowed once the MTP layer follows nobody (it could verify nothing)
+    assert any(eng.k_policy.may_probe) and not any(eng.k_policy.may_probe[probes_from:])
     if pays_for:
         assert 0 < held < MAX_BACKLOG   # the rows were held back while speculation could pay
     st = eng.spec_stats.to_dict()

@@ -101,3 +101,20 @@ def test_round_timing_runs_every_k_and_mode_on_the_cpu(tiny_checkpoint_dir):
         assert r["bytes"]["total"] == sum(v for k, v in r["bytes"].items() if k != "total")
     assert all(r["step_s_none_accepted"] > 0 for r in rows[1:])
     assert spec_bench.K_MAX + 1 in seen   # all accepted: k+1 rows to catch up
+
+
+def test_round_timing_refuses_steps_that_verified_nothing(tiny_checkpoint_dir, monkeypatch):
+    """Where the k > 0 steps run no speculative round (here nobody is given drafts), the round timing raises
+    rather than record plain steps as rounds."""
+    import torch
+
+    from glm5.config import ModelConfig
+    from glm5.engine.llm_engine import LLMEngine
+    from glm5.weights import load_weights
+
+    cfg_dict = json.loads((tiny_checkpoint_dir / "config.json").read_text())
+    weights = load_weights(str(tiny_checkpoint_dir), ModelConfig.from_dict(cfg_dict), device="cpu",
+                           dtype=torch.float32, progress=False)
+    monkeypatch.setattr(LLMEngine, "_num_drafts", lambda self, seq: 0)
+    with pytest.raises(RuntimeError, match="k=3 .*verified requests"):
+        spec_bench.run_rounds(cfg_dict, weights, 2, 24, 2, lambda r: None, device="cpu")

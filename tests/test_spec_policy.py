@@ -352,6 +352,12 @@ def test_rows_are_held_back_only_where_a_full_backlog_could_be_drained_or_specul
         assert policy.holds_mtp(8), i                          # ... so b8's rows wait for the batch to shrink
         assert policy.choose(8, may_probe=False) == 0
     assert not policy.holds_mtp(8) and not policy.keeps_mtp(8)  # 64 steps at k = 0, no drain paid: not held
+    # a backlog started now is held where the credit its 64 steps at k = 0 will earn pays its drain when full
+    earned = policy.explore_fraction * policy._plain_ratio * plain * policy.HOLD_STEPS
+    policy.credit_s = policy.drain_cost_s(8) - 0.5 * earned
+    assert policy.holds_mtp(8) and not policy.keeps_mtp(8)
+    policy.credit_s = policy.drain_cost_s(8) - 1.5 * earned
+    assert not policy.holds_mtp(8)
     assert policy.choose(1) > 0 and policy.holds_mtp(8)         # a speculative step holds them again
 
 

@@ -500,9 +500,11 @@ class LLMEngine:
     # ------------------------------------------------------------------ speculative decoding
     def _choose_k(self, batch: int, may_probe: bool = True) -> int:
         """The next step's drafts: none above the batched speculation's request cap (those steps decode on
-        the plain batched path and the MTP layer waits), else the policy's."""
+        the plain batched path and the MTP layer waits), else the policy's; no probe where the MTP layer
+        follows no running request (nobody could draft for it)."""
         if self.spec is not None and batch > self.spec.max_requests:
             return 0
+        may_probe = may_probe and not all(s.mtp_off for s in self.scheduler.running)
         return self.k_policy.choose(batch, may_probe=may_probe)
 
     def _mtp_pays(self, batch: int) -> bool:

@@ -92,7 +92,8 @@ class Sequence:
     noise_seed: int = 0
     mtp_backlog: object | None = None
     # the MTP layer stopped following this request: its backlog filled while speculation could not pay at the
-    # running batch size and was dropped, so its MTP cache has a gap and it drafts no more (until preempted)
+    # running batch size, or the policy held no rows back (AdaptiveK.holds_mtp), so its MTP cache has a gap and
+    # it drafts no more (until preempted)
     mtp_off: bool = False
 
     @property

@@ -340,18 +340,26 @@ class AdaptiveK:
         Without the credit test a model on which speculation pays only near full acceptance, probed too rarely
         to learn otherwise, drained every backlog (one drain per ``MAX_BACKLOG`` steps; the adaptive engine
         decoded at 0.91x of one without MTP at b1 on an H100, trained tiny checkpoint, 2026-12-06)."""
-        funded = self.credit_s >= self.drain_cost_s(batch) or self.drains == 0
-        return funded and self._per_version("keeps", batch,
-                                            lambda: self.can_pay(batch, self.tracker.optimistic_rates()))
+        return self._drain_funded(batch, 0.0) and self._could_pay(batch)
 
     def holds_mtp(self, batch: int) -> bool:
         """Whether rows are held back for the MTP layer at all at ``batch`` requests (each request's backlog
-        grows, a copy of the step's hidden rows per step): while a full backlog would be drained
-        (:meth:`keeps_mtp`), or within :attr:`HOLD_STEPS` steps of the last speculative step or probe (the
-        batch may shrink back to where speculation runs, and then the requests draft after one catch-up).
+        grows, a copy of the step's hidden rows per step): within :attr:`HOLD_STEPS` steps of the last
+        speculative step or probe (the batch may shrink back to where speculation runs, and then the
+        requests draft after one catch-up), or where a backlog started now would be drained when full
+        (:meth:`keeps_mtp` with the credit the ``HOLD_STEPS`` steps at ``k = 0`` until then will have earned).
         Otherwise a backlog would be carried until it is full only to be dropped then: the engine stops the
         MTP layer following the requests at once (a k = 0 step then costs what a plain step costs)."""
-        return self._since_drafts < self.HOLD_STEPS or self.keeps_mtp(batch)
+        if self._since_drafts < self.HOLD_STEPS:
+            return True
+        earned = self.explore_fraction * self._plain_ratio * self.cost.round_s(batch, 0) * self.HOLD_STEPS
+        return self._drain_funded(batch, earned) and self._could_pay(batch)
+
+    def _drain_funded(self, batch: int, earned_s: float) -> bool:
+        return self.drains == 0 or self.credit_s + earned_s >= self.drain_cost_s(batch)
+
+    def _could_pay(self, batch: int) -> bool:
+        return self._per_version("keeps", batch, lambda: self.can_pay(batch, self.tracker.optimistic_rates()))
 
     def drain_cost_s(self, batch: int) -> float:
         """What a drain step at ``batch`` requests is expected to cost beyond a plain step."""
@@ -362,6 +370,8 @@ class AdaptiveK:
         return self._cost_rounds * self.cost.round_s(batch, 1)
 
     def _may_probe(self, batch: int) -> bool:
+        # (``choose(may_probe=False)`` where no running request could draft: the engine's, when the MTP layer
+        # follows none of them, so that a probe that cannot verify anything neither runs nor holds rows back)
         if not self.probe_every or self._steps_at_zero < self.probe_every or self._probe_steps:
             return False
         return self.credit_s >= self.probe_cost_s(batch) and self._per_version("pays", batch,
