@@ -323,9 +323,9 @@ def time_gc(batch: int, steps: int, ckpt: Path, tokens: int = 16) -> dict:
 
 def time_policy(batches: list[int], calls: int = 2000) -> dict:
     """µs per decode step of the adaptive policy's own work (``choose`` the next k, ``keeps_mtp`` for a full
-    backlog and ``holds_mtp`` for the step's rows, ``observe_time`` of the step) at each batch size, on the real config, with round costs from a
-    measured-like table and from the byte model (no table), the acceptance estimate unchanged between steps
-    (a step at k = 0 verifies nothing)."""
+    backlog and ``holds_mtp`` for the step's rows, ``observe_time`` of the step) at each batch size, on the
+    real config, with round costs from a measured-like table and from the byte model (no table), the
+    acceptance estimate unchanged between steps (a step at k = 0 verifies nothing)."""
     from glm5.config import ModelConfig
     from glm5.engine.spec_policy import AdaptiveK, SpecCostModel
 

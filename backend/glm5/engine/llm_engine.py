@@ -507,23 +507,17 @@ class LLMEngine:
         may_probe = may_probe and not all(s.mtp_off for s in self.scheduler.running)
         return self.k_policy.choose(batch, may_probe=may_probe)
 
-    def _mtp_pays(self, batch: int) -> bool:
-        """Whether the MTP layer's history is worth its catch-up at ``batch`` requests: the policy's
+    def _mtp_history(self, batch: int) -> tuple[bool, bool]:
+        """``(keep, hold)`` for the MTP layer's history at ``batch`` requests when nobody drafts
+        (glm5.engine.spec_batched). ``keep``: a full backlog is caught up rather than dropped - the policy's
         ``keeps_mtp`` (adaptive: some ``k > 0`` could beat ``k = 0`` at the optimistic acceptance, and its
-        exploration credit pays for the drain), within the batched speculation's cap. Where not, a full backlog
-        is dropped instead of drained (glm5.engine.spec_batched)."""
+        exploration credit pays for the drain). ``hold``: decode rows wait in backlogs at all - the policy's
+        ``holds_mtp``; where not, the MTP layer stops following the requests at once (a backlog that would only
+        be dropped when full is not carried). Above the batched speculation's cap, rows wait for the batch to
+        shrink and a full backlog is dropped."""
         if self.spec is not None and batch > self.spec.max_requests:
-            return False
-        return self.k_policy.keeps_mtp(batch)
-
-    def _mtp_holds(self, batch: int) -> bool:
-        """Whether decode rows wait in backlogs for the MTP layer at ``batch`` requests: above the batched
-        speculation's cap always (speculation resumes when the batch shrinks), else the policy's
-        ``holds_mtp``; where not, the MTP layer stops following the requests at once (a backlog that would
-        only be dropped when full is not carried, glm5.engine.spec_batched)."""
-        if self.spec is not None and batch > self.spec.max_requests:
-            return True
-        return self.k_policy.holds_mtp(batch)
+            return False, True
+        return self.k_policy.keeps_mtp(batch), self.k_policy.holds_mtp(batch)
 
     def _speculative_step(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
         """A pure-decode step on the batched path: verify, accept and commit on the device, then draft."""
@@ -547,9 +541,12 @@ class LLMEngine:
                 live.append((i, seq))
         self.k_policy.observe_step(observed)
         self._k_next = self._choose_k(len(live))
-        self._finish_step(sched, finished, trimmed, lambda: live and self.spec.propose(
-            [(i, s, self._num_drafts(s)) for i, s in live], res, self.scheduler.ensure_blocks,
-            keep_mtp=self._mtp_pays(len(live)), hold_mtp=self._mtp_holds(len(live))))
+
+        def propose() -> bool:
+            keep, hold = self._mtp_history(len(live))
+            return self.spec.propose([(i, s, self._num_drafts(s)) for i, s in live], res,
+                                     self.scheduler.ensure_blocks, keep_mtp=keep, hold_mtp=hold)
+        self._finish_step(sched, finished, trimmed, lambda: bool(live) and propose())
 
     def _verify(self, chunk, batch, logits: torch.Tensor) -> list[int]:
         """Accept drafts of a verification chunk (per-request path) and commit its states to the accepted rows."""
@@ -621,8 +618,7 @@ class LLMEngine:
             # a finished request is caught up now: its end-of-request snapshot holds the MTP layer's rows too
             # a full backlog of a decoding request is caught up, or dropped where speculation cannot pay; where
             # it would only be dropped, a decoding request's rows are not held back at all (spec_batched)
-            running = len(self.scheduler.running)
-            pays, hold = self._mtp_pays(running), self._mtp_holds(running)
+            pays, hold = self._mtp_history(len(self.scheduler.running))
             keep, drop = [], []
             for i, (r, v) in enumerate(zip(rows, step_rows)):
                 seq, lo, _ = entries[i]

@@ -27,8 +27,8 @@ the request drafts no more (``Sequence.mtp_off``: its MTP cache has a gap; new r
 following them). Carrying a backlog costs host work as well (a copy of the step's hidden rows and a reference
 per request every step: 1.09-1.10x a plain step's, ``bench/host_cost.py``), so where it would only be dropped
 when full (``hold_mtp``, the policy's ``holds_mtp``: no drain would be paid by the time it is full and no
-speculative step ran lately) the MTP layer stops following the requests at once. A mixed (prefill) step prepends a backlog in the
-per-request proposal.
+speculative step ran lately) the MTP layer stops following the requests at once. A mixed (prefill) step
+prepends a backlog in the per-request proposal.
 """
 
 from __future__ import annotations
