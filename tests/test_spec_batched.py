@@ -356,8 +356,10 @@ def test_mtp_stops_following_where_speculation_cannot_pay(pair, monkeypatch, dec
     False: no backlog is carried from then on - the MTP layer stops following every request at the next k = 0
     step, well before a backlog would fill. ``holds`` True (speculation ran lately): the rows wait until the
     backlog is full, which is then dropped. Either way no drain and no MTP pass after the prompts, the requests
-    draft nothing even when the policy asks for k = 3, and the tokens are k = 0's."""
-    from glm5.engine.spec_batched import MAX_BACKLOG
+    draft nothing even when the policy asks for k = 3, and the tokens are k = 0's. Once the MTP layer follows
+    nobody, every step is the plain engine's: no batched verification, no per-request rows for a proposal."""
+    from glm5.engine.model_runner import ModelRunner
+    from glm5.engine.spec_batched import MAX_BACKLOG, BatchedSpeculation
     from glm5.engine.spec_forwards import SpecForwards
     from glm5.layers.mtp import MTPLayer
 
@@ -371,6 +373,12 @@ def test_mtp_stops_following_where_speculation_cannot_pay(pair, monkeypatch, dec
     orig_fwd, orig_drain = MTPLayer.forward, SpecForwards.mtp_drain
     monkeypatch.setattr(MTPLayer, "forward", lambda self, b, h, c: (mtp_rows.append(h.shape[0]), orig_fwd(self, b, h, c))[1])
     monkeypatch.setattr(SpecForwards, "mtp_drain", lambda self, *a: (drains.append(1), orig_drain(self, *a))[1])
+    paths = []   # per step: "verify" (the batched speculative path) or the plain path's mtp_rows
+    orig_exec, orig_verify = ModelRunner.execute, BatchedSpeculation.verify
+    monkeypatch.setattr(ModelRunner, "execute",
+                        lambda self, sched, mtp_rows=True: (paths.append(mtp_rows), orig_exec(self, sched, mtp_rows))[1])
+    monkeypatch.setattr(BatchedSpeculation, "verify",
+                        lambda self, sched: (paths.append("verify"), orig_verify(self, sched))[1])
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", p, greedy(n_new))
     outs: dict[str, list[int]] = {}
@@ -390,7 +398,7 @@ def test_mtp_stops_following_where_speculation_cannot_pay(pair, monkeypatch, dec
                 assert not any(s.mtp_off for s in running) and all(s.mtp_backlog for s in running)
         if off_at is None and running and all(s.mtp_off for s in running):
             off_at = len(mtp_rows)
-            probes_from = len(eng.k_policy.may_probe)
+            probes_from, plain_from = len(eng.k_policy.may_probe), len(paths)
         assert not any(s.draft_tokens for s in running if s.mtp_off)
     assert [outs[f"r{i}"] for i in range(len(prompts))] == ref
     # no probe is allowed once the MTP layer follows nobody (it could verify nothing)
@@ -402,6 +410,8 @@ def test_mtp_stops_following_where_speculation_cannot_pay(pair, monkeypatch, dec
     assert not drains and off_at is not None and len(mtp_rows) == off_at   # no MTP pass after the drop
     assert all(n > 1 for n in mtp_rows)    # the only MTP passes were the prompts' (and the per-request path's
     #                                        clones keep no backlog rows past the drop)
+    assert len(paths) > plain_from and not any(paths[plain_from:])   # plain steps, no rows listed for the MTP layer
+    assert ("verify" if decode_path == "batched" else True) in paths[:plain_from]   # (unlike before the drop)
 
 
 def test_backlog_keeps_its_row_count_and_order():

@@ -329,11 +329,12 @@ class DistributedRunner(ModelRunner):
     def reset_slot(self, slot: int) -> None:
         self.queue(("reset_slot", slot))
 
-    def execute(self, sched: SchedulerOutput) -> tuple[ForwardBatch, ModelOutput, list[tuple[int, int, int]]]:
+    def execute(self, sched: SchedulerOutput, mtp_rows: bool = True
+                ) -> tuple[ForwardBatch, ModelOutput, list[tuple[int, int, int]]]:
         rows = self._decode_rows(sched) if self.batched_decode else None
         if rows is not None:
             self._dispatch(("decode", rows))
-            out = self._guard(self._execute_decode, sched, rows)
+            out = self._guard(self._execute_decode, sched, rows, mtp_rows)
         else:
             step, sample_idx = self.pack(sched)
             self._dispatch(("forward", step))

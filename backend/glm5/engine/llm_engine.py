@@ -424,12 +424,15 @@ class LLMEngine:
         """Forward, sample, record tokens (appended to ``outputs`` as they are made), MTP proposals."""
         if self.faults is not None:
             self.faults.check(sched)
-        if self.spec is not None and self.spec.accepts(sched):
+        # where the MTP layer follows none of the step's requests (speculation cannot pay: spec_batched), the
+        # step is the plain engine's - no verification bookkeeping, no per-request rows for a proposal
+        follows = self.runner.mtp is not None and not all(c.seq.mtp_off for c in sched.chunks)
+        if follows and self.spec is not None and self.spec.accepts(sched):
             self._speculative_step(sched, outputs)
             return
         # a probe only on a decode step: the policy times those alone (step())
         self._k_next = self._choose_k(len(self.scheduler.running), may_probe=sched.decode_only)
-        batch, model_out, sample_idx = self.runner.execute(sched)
+        batch, model_out, sample_idx = self.runner.execute(sched, mtp_rows=follows)
         for ci, row, n, p0 in batch.prompt_logprob_rows:
             score_prompt_logprobs(sched.chunks[ci].seq, model_out.logits[row:row + n], p0)
         valid_rows: dict[int, int] = {}
@@ -469,7 +472,7 @@ class LLMEngine:
                     valid_rows[ci] -= excess
                     if excess:
                         trimmed.add(id(c.seq))
-        self._finish_step(sched, finished, trimmed, lambda: self.runner.mtp is not None and self._propose(
+        self._finish_step(sched, finished, trimmed, lambda: follows and self._propose(
             sched, batch, model_out.hidden, valid_rows, {ci for ci, _, _ in sample_idx}))
 
     def _finish_step(self, sched: SchedulerOutput, finished: list[Sequence], trimmed: set[int], propose) -> None:

@@ -275,10 +275,13 @@ class ModelRunner:
         batch = self.batch_from(step)
         return batch, self.model.forward(batch, self.cache)
 
-    def execute(self, sched: SchedulerOutput) -> tuple[ForwardBatch, ModelOutput, list[tuple[int, int, int]]]:
+    def execute(self, sched: SchedulerOutput, mtp_rows: bool = True
+                ) -> tuple[ForwardBatch, ModelOutput, list[tuple[int, int, int]]]:
+        """Run the step. ``mtp_rows``: a decode step lists each request's rows in ``batch.seqs`` for the MTP
+        proposal (False where the MTP layer follows none of the step's requests: nothing reads them)."""
         rows = self._decode_rows(sched) if self.batched_decode else None
         if rows is not None:
-            return self._execute_decode(sched, rows)
+            return self._execute_decode(sched, rows, mtp_rows)
         step, sample_idx = self.pack(sched)
         batch, out = self.forward_packed(step)
         return batch, out, sample_idx
@@ -345,10 +348,10 @@ class ModelRunner:
         batch = self.stager.stage(rows, n, self._prepare_decode)
         return batch, self.model.forward(batch, self.cache)
 
-    def _execute_decode(self, sched: SchedulerOutput, rows: DecodeRows
+    def _execute_decode(self, sched: SchedulerOutput, rows: DecodeRows, mtp_rows: bool = True
                         ) -> tuple[ForwardBatch, ModelOutput, list[tuple[int, int, int]]]:
         batch, out = self.forward_decode(rows)
-        if self.mtp is not None:  # the MTP proposal reads each request's rows from batch.seqs
+        if self.mtp is not None and mtp_rows:  # the MTP proposal reads each request's rows from batch.seqs
             meta = batch.decode
             # block_table here: the request's row of the padded int32 decode buffer (valid for this step only)
             batch.seqs = [SeqChunk(start=i, num_tokens=1, context_len=p, block_table=meta.block_tables[i],
