@@ -379,6 +379,9 @@ def test_mtp_stops_following_where_speculation_cannot_pay(pair, monkeypatch, dec
                         lambda self, sched, mtp_rows=True: (paths.append(mtp_rows), orig_exec(self, sched, mtp_rows))[1])
     monkeypatch.setattr(BatchedSpeculation, "verify",
                         lambda self, sched: (paths.append("verify"), orig_verify(self, sched))[1])
+    proposals = []   # per step that asked the MTP layer for a proposal: the number of steps before it
+    orig_propose = eng._propose
+    eng._propose = lambda *a: (proposals.append(len(paths)), orig_propose(*a))[1]
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", p, greedy(n_new))
     outs: dict[str, list[int]] = {}
@@ -411,6 +414,7 @@ def test_mtp_stops_following_where_speculation_cannot_pay(pair, monkeypatch, dec
     assert all(n > 1 for n in mtp_rows)    # the only MTP passes were the prompts' (and the per-request path's
     #                                        clones keep no backlog rows past the drop)
     assert len(paths) > plain_from and not any(paths[plain_from:])   # plain steps, no rows listed for the MTP layer
+    assert proposals and max(proposals) <= plain_from   # ... and no proposal asked for
     assert ("verify" if decode_path == "batched" else True) in paths[:plain_from]   # (unlike before the drop)
 
 
@@ -525,3 +529,44 @@ def test_verification_reads_the_drafts_on_the_device_without_waiting_for_them(pa
         first_read = min((j for j, e in enumerate(events) if e[0] == "read" and e[1] is events[i][1]),
                          default=len(events))
         assert launch < first_read, events
+
+
+@pytest.mark.parametrize("decode_path", ["batched", "per_request"])
+def test_requests_re_run_after_a_failed_step_leave_their_mtp_history_behind(pair, decode_path):
+    """Requests holding MTP backlogs when a step fails are evicted and re-run from their tokens (the failing
+    request is isolated by bisection, glm5.engine.llm_engine): their backlogs and dropped-MTP marks go with
+    their caches, so their recomputed prompts do not take stale rows along, and they finish with k = 0's tokens."""
+    ckpt, _ = pair
+    poison = 11
+    prompts = [[t for t in random_prompt(5 + 3 * i, VOCAB, seed=700 + i) if t != poison] for i in range(3)]
+    n_new = 12
+    ref = [o.token_ids for o in engine(ckpt, decode_path=decode_path).generate(prompts, greedy(n_new))]
+    eng = engine(ckpt, decode_path=decode_path, num_speculative_tokens=3, max_num_seqs=8,
+                 test_faults={"request_error_token_id": poison})
+    eng.k_policy = ScriptedK([0], pays=True)   # nobody drafts: every decoding request holds a backlog
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, greedy(n_new))
+    outs: dict[str, list] = {}
+    for _ in range(4):
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert all(s.mtp_backlog is not None for s in eng.scheduler.running)
+    eng.scheduler.running[-1].mtp_off = True   # one the MTP layer no longer follows
+    re_run = []
+    trial = eng._trial
+
+    def spy(part, outputs):   # what the bisection re-runs: evicted requests, their caches freed
+        re_run.extend((s.request_id, s.mtp_backlog, s.mtp_off) for s in part)
+        return trial(part, outputs)
+    eng._trial = spy
+    eng.add_request("poison", [3, poison, 4], greedy(n_new))
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert outs["poison"][-1].finish_reason == "error" and eng.stats().failed_total == 1
+    assert {r for r, *_ in re_run} >= {f"r{i}" for i in range(len(prompts))}
+    assert all(b is None and not off for _, b, off in re_run), re_run
+    for i in range(len(prompts)):
+        o = outs[f"r{i}"]
+        assert o[-1].finish_reason == "length" and o[-1].error is None, (i, o[-1].error)
+        assert [t for x in o for t in x.token_ids] == ref[i], i

@@ -339,8 +339,6 @@ class LLMEngine:
         ``finish_reason="error"``; an unrecoverable device error raises :class:`EngineDeadError`."""
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
-        for seq in sched.preempted:  # recomputed from the prompt: the MTP layer's cache goes with the blocks
-            seq.mtp_backlog, seq.mtp_off = None, False
         if sched.chunks:
             t0 = time.perf_counter()
             drafts = sum(c.num_drafts for c in sched.chunks)

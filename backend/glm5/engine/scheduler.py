@@ -101,7 +101,7 @@ class Scheduler:
         after a failed step: its states are recomputed from its tokens, as after a preemption). No
         snapshot: the failed step may have half-written its states."""
         self.kv.release(seq, snapshot=None)
-        seq.draft_tokens, seq.draft_probs = [], None
+        seq.forget_speculation()
         seq.status = SeqStatus.WAITING
         if seq in self.running:
             self.running.remove(seq)
@@ -129,7 +129,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         logger.debug("preempting %s (%d tokens)", seq.request_id, seq.num_tokens)
         self.kv.release(seq, snapshot="preempted")  # its re-admission resumes there if the blocks survive
-        seq.draft_tokens, seq.draft_probs = [], None
+        seq.forget_speculation()
         seq.status = SeqStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1

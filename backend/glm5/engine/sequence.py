@@ -93,8 +93,16 @@ class Sequence:
     mtp_backlog: object | None = None
     # the MTP layer stopped following this request: its backlog filled while speculation could not pay at the
     # running batch size, or the policy held no rows back (AdaptiveK.holds_mtp), so its MTP cache has a gap and
-    # it drafts no more (until preempted)
+    # it drafts no more (until its caches are freed for a recompute: forget_speculation)
     mtp_off: bool = False
+
+    def forget_speculation(self) -> None:
+        """Drop what speculation keeps for the request's cached rows (drafts, the MTP backlog, the dropped-MTP
+        mark) when its caches are freed for a recompute (preemption, or eviction after a failed step): its
+        states are rebuilt from its tokens, the MTP layer's with them, so rows held back before would be
+        replayed at positions the rebuilt request no longer has."""
+        self.draft_tokens, self.draft_probs = [], None
+        self.mtp_backlog, self.mtp_off = None, False
 
     @property
     def draft_tokens(self) -> list[int]:

@@ -142,8 +142,7 @@ class VerifyResult:
     drafts: list[int]                     # drafts verified
     accepted: list[int]                   # drafts accepted
     first_positions: list[int]            # position of each request's first row (its last accepted token)
-    hidden: torch.Tensor | None           # [n * rows_per_seq, H] target hidden rows (a copy); None if no
-    #                                       request keeps them (every one is mtp_off)
+    hidden: torch.Tensor                  # [n * rows_per_seq, H] target hidden rows (a copy)
     rows_per_seq: int
 
 
@@ -266,8 +265,9 @@ class BatchedSpeculation:
         seqs = [c.seq for c in sched.chunks]
         n = len(seqs)
         result = self._sample_plain(out.logits[:n], seqs)
-        # the graph's output rows are overwritten by the next replay: a copy for the backlogs, if anyone keeps one
-        hidden = out.hidden[:n].clone() if not all(s.mtp_off for s in seqs) else None
+        # the graph's output rows are overwritten by the next replay: a copy for the backlogs (the engine takes
+        # this path only while the MTP layer follows one of the requests at least)
+        hidden = out.hidden[:n].clone()
         tokens = result.token_ids.tolist()
         lps = [[TokenLogprobs.as_dict(result.logprobs[i])] for i in range(n)]
         return VerifyResult(tokens=[[x] for x in tokens], logprobs=lps, drafts=[0] * n, accepted=[0] * n,
