@@ -25,7 +25,7 @@ optimistic acceptance, full acceptance before any draft was verified, and the ex
 the probes pays for the drain); where not, draining would be pure cost, so the backlog is dropped instead and
 the request drafts no more (``Sequence.mtp_off``: its MTP cache has a gap; new requests start with the layer
 following them). Carrying a backlog costs host work as well (a copy of the step's hidden rows and a reference
-per request every step: 1.09-1.10x a plain step's, ``bench/host_cost.py``), so where it would only be dropped
+per request every step; ``bench/host_cost.py`` times it against a plain step), so where it would only be dropped
 when full (``hold_mtp``, the policy's ``holds_mtp``: no drain would be paid by the time it is full and no
 speculative step ran lately) the MTP layer stops following the requests at once. A mixed (prefill) step
 prepends a backlog in the per-request proposal.

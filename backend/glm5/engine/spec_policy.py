@@ -282,8 +282,8 @@ class AdaptiveK:
         self.k_max, self.cost, self.probe_every = k_max, cost, probe_every
         self.explore_fraction = explore_fraction
         self.tracker = tracker or AcceptanceTracker(k_max)
-        self._steps_at_zero = 0
-        self._since_drafts = self.HOLD_STEPS      # steps since the last choice with drafts (none yet: past the window)
+        self._steps_at_zero = 0                    # steps at k = 0 since the last choice with drafts (or probe)
+        self._drafted = False                      # any choice with drafts (or probe) yet
         self.elapsed_s = 0.0        # decode step time observed while speculation was off
         self.probe_spent_s = 0.0    # probes' time beyond what plain steps would have taken
         self.probes = 0
@@ -350,7 +350,7 @@ class AdaptiveK:
         (:meth:`keeps_mtp` with the credit the ``HOLD_STEPS`` steps at ``k = 0`` until then will have earned).
         Otherwise a backlog would be carried until it is full only to be dropped then: the engine stops the
         MTP layer following the requests at once (a k = 0 step then costs what a plain step costs)."""
-        if self._since_drafts < self.HOLD_STEPS:
+        if self._drafted and self._steps_at_zero < self.HOLD_STEPS:
             return True
         earned = self.explore_fraction * self._plain_ratio * self.cost.round_s(batch, 0) * self.HOLD_STEPS
         return self._drain_funded(batch, earned) and self._could_pay(batch)
@@ -384,12 +384,11 @@ class AdaptiveK:
         k = self.best(batch)
         self._off = k == 0
         if k > 0:
-            self._steps_at_zero = self._since_drafts = 0
+            self._steps_at_zero, self._drafted = 0, True
             return k
         self._steps_at_zero += 1
-        self._since_drafts += 1
         if may_probe and self._may_probe(batch):
-            self._steps_at_zero = self._since_drafts = 0
+            self._steps_at_zero, self._drafted = 0, True
             self._probe_steps, self._probe_acc, self._probe_batch = 2, 0.0, batch  # catch-up + drafts, verify
             self.probes += 1
             return 1
