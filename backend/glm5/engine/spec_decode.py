@@ -42,7 +42,9 @@ class SpecStats:
     accepted: list[int] = field(default_factory=list)
     steps: int = 0
     emitted: int = 0                                     # tokens produced by verification steps
-    mtp_dropped: int = 0                                 # requests the MTP layer stopped following (engine-wide)
+    # times the MTP layer stopped following a request (engine-wide); a request preempted after its drop follows
+    # again from its recompute, so a second drop counts it twice
+    mtp_dropped: int = 0
 
     def __post_init__(self) -> None:
         self.proposed = [0] * self.num_speculative_tokens
